@@ -1,0 +1,654 @@
+"""IMPALA on one machine, pure Python: actor processes, shared-memory rollouts, V-trace learner.
+
+Paper: https://arxiv.org/abs/1802.01561 (Espeholt et al. 2018). Design after TorchBeast's MonoBeast.
+
+    python impala_mono.py --env-id Pong-v5
+    python impala_mono.py --env-id CartPole-v1 --total-timesteps 300000
+    python impala_mono.py --env-id Pong-v5 --eval-checkpoint runs/<run_name>/checkpoint.pt
+"""
+
+import collections
+import os
+import queue
+import random
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import ale_py
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+import tyro
+from torch.utils.tensorboard import SummaryWriter
+
+import vtrace
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (actor and environment seeds are offset from it)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, the learner runs on CUDA when it is available"""
+    env_id: str = "Pong-v5"
+    """an Atari id as in EnvPool (`Pong-v5`, `Breakout-v5`, ...) or a gymnasium classic-control id (`CartPole-v1`)"""
+    total_timesteps: int = 50_000_000
+    """total environment steps over all actors (an Atari step is 4 frames)"""
+
+    # Algorithm specific arguments
+    num_actors: int = 2
+    """the number of actor processes"""
+    num_envs_per_actor: int = 4
+    """environments stepped by each actor, with batched inference"""
+    unroll_length: int = 20
+    """the number of steps in each rollout (T)"""
+    batch_size: int = 32
+    """the number of rollouts (trajectories) in each learner update (B)"""
+    num_buffers: Optional[int] = None
+    """shared-memory rollout slots; default: 2 * (num_actors * num_envs_per_actor + batch_size)"""
+    num_learner_threads: int = 1
+    """learner threads; more than one overlaps batching with the update"""
+    num_torch_threads: int = 2
+    """torch intra-op threads of the learner (each actor uses one)"""
+    learning_rate: float = 6e-4
+    """the learning rate of the RMSProp optimizer"""
+    anneal_lr: bool = True
+    """linearly anneal the learning rate to 0 over `total_timesteps`"""
+    rmsprop_alpha: float = 0.99
+    """RMSProp smoothing constant"""
+    rmsprop_eps: float = 0.01
+    """RMSProp epsilon"""
+    gamma: float = 0.99
+    """the discount factor"""
+    ent_coef: float = 0.01
+    """coefficient of the entropy bonus"""
+    vf_coef: float = 0.5
+    """coefficient of the value (baseline) loss"""
+    max_grad_norm: float = 40.0
+    """the maximum norm for the global gradient clipping"""
+    reward_clip: bool = True
+    """clip rewards to [-1, 1] in the loss (logged returns stay unclipped)"""
+    network: Literal["shallow", "deep"] = "shallow"
+    """Atari torso: the Nature CNN ("shallow") or the IMPALA ResNet ("deep")"""
+    use_lstm: bool = False
+    """add an LSTM core; its state is reset at episode boundaries"""
+    episodic_life: bool = True
+    """Atari: end an episode (for learning only) when a life is lost"""
+    repeat_action_probability: float = 0.0
+    """Atari: sticky-action probability"""
+
+    # V-trace arguments
+    clip_rho_threshold: float = 1.0
+    """rho-bar, the importance weight clip for the value targets"""
+    clip_pg_rho_threshold: float = 1.0
+    """the importance weight clip in the policy-gradient advantage"""
+    vtrace_lambda: float = 1.0
+    """lambda, scales the trace coefficients c"""
+
+    # Checkpoints and evaluation
+    checkpoint_interval: float = 600.0
+    """seconds between checkpoints (one is also written at the end and on Ctrl-C / SIGTERM)"""
+    resume: Optional[str] = None
+    """path of a checkpoint.pt to continue (same run folder, step count and schedule)"""
+    eval_checkpoint: Optional[str] = None
+    """path of a checkpoint.pt to evaluate instead of training"""
+    eval_episodes: int = 10
+    """the number of full games played by evaluation"""
+
+    # to be filled in runtime
+    run_name: str = ""
+    """the run's folder under runs/ (set from the checkpoint when resuming)"""
+
+
+class AtariEnv(gym.Env):
+    """EnvPool's Atari preprocessing on ale-py, so that a score here means what it means in EnvPool.
+
+    No-op reset (1 to 30 no-ops, one fewer with fire reset), FIRE on reset, 4-frame skip with
+    max over the last two frames, 84x84 grayscale (area resize), 4 stacked frames, a cap of
+    27,000 steps. With `episodic_life`, losing a life ends the episode for learning and the
+    next reset carries on with the same game. `info["terminated"]` is True when the game is over.
+    """
+
+    def __init__(self, env_id, episodic_life, repeat_action_probability, noop_max=30, frame_skip=4, max_episode_steps=27_000):
+        self.ale_env = gym.make(f"ALE/{env_id}", frameskip=1, repeat_action_probability=repeat_action_probability,
+                                full_action_space=False, max_num_frames_per_episode=None).unwrapped
+        self.ale = self.ale_env.ale
+        self.action_set = self.ale.getMinimalActionSet()
+        self.fire_reset = ale_py.Action.FIRE in self.action_set
+        self.episodic_life, self.noop_max, self.frame_skip = episodic_life, noop_max, frame_skip
+        self.max_episode_steps, self.elapsed_step, self.lives = max_episode_steps, max_episode_steps, 0
+        self.observation_space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+        self.action_space = gym.spaces.Discrete(len(self.action_set))
+        self.screens = np.zeros((2, 210, 160), np.uint8)  # the last two frames of a skip
+        self.stack = np.zeros((4, 84, 84), np.uint8)
+        self.resize_rows, self.resize_cols = area_resize_matrix(210, 84), area_resize_matrix(160, 84)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self.ale_env.reset(seed=seed)  # seeds the emulator
+            self.elapsed_step = self.max_episode_steps
+        new_game = not self.episodic_life or self.ale.game_over() or self.elapsed_step >= self.max_episode_steps
+        if new_game:
+            self.ale.reset_game()
+            self.elapsed_step = 0
+        for _ in range(self.np_random.integers(self.noop_max) + 1 - self.fire_reset):
+            self.ale.act(ale_py.Action.NOOP)
+            if self.ale.game_over():
+                self.ale.reset_game()
+                new_game = True
+        if self.fire_reset:
+            self.ale.act(ale_py.Action.FIRE)
+        self.ale.getScreenGrayscale(self.screens[0])
+        self.push_frame(self.screens[0], fill=new_game)
+        self.lives = self.ale.lives()
+        return self.stack.copy(), {"lives": self.lives, "terminated": False}
+
+    def step(self, action):
+        reward = 0.0
+        for skip in range(self.frame_skip):
+            reward += self.ale.act(self.action_set[action])
+            game_over = self.ale.game_over()
+            if skip >= self.frame_skip - 2:
+                self.ale.getScreenGrayscale(self.screens[skip - self.frame_skip + 2])
+            if game_over:
+                break
+        self.push_frame(self.screens.max(0) if skip == self.frame_skip - 1 else self.screens[0])
+        self.elapsed_step += 1
+        life_lost = self.episodic_life and 0 < self.ale.lives() < self.lives
+        self.lives = self.ale.lives()
+        terminated = game_over or life_lost
+        truncated = not terminated and self.elapsed_step >= self.max_episode_steps
+        return self.stack.copy(), reward, terminated, truncated, {"lives": self.lives, "terminated": game_over}
+
+    def push_frame(self, screen, fill=False):
+        frame = np.rint(self.resize_rows @ screen @ self.resize_cols.T).astype(np.uint8)
+        self.stack[:-1] = frame if fill else self.stack[1:]
+        self.stack[-1] = frame
+
+
+def area_resize_matrix(src, dst):
+    """[dst, src] weights of an area (box-filter) resize: each output averages the inputs it covers."""
+    edges = np.arange(dst + 1) * src / dst
+    lo, hi = edges[:-1, None], edges[1:, None]
+    pixels = np.arange(src)[None, :]
+    overlap = np.clip(np.minimum(hi, pixels + 1) - np.maximum(lo, pixels), 0, None)
+    return (overlap * dst / src).astype(np.float32)
+
+
+def is_atari(env_id):
+    return f"ALE/{env_id}" in gym.registry
+
+
+def make_env(args, seed):
+    """An env that resets itself on the step after an episode ends, ignoring that step's action (as EnvPool does)."""
+    if is_atari(args.env_id):
+        env = AtariEnv(args.env_id, args.episodic_life, args.repeat_action_probability)
+    else:
+        env = gym.make(args.env_id)
+    env = gym.wrappers.Autoreset(env)
+    env.reset(seed=seed)
+    return env
+
+
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv0 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv1(torch.relu(self.conv0(torch.relu(x))))
+
+
+class ConvSequence(nn.Module):
+    def __init__(self, in_channels, out_channels):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1)
+        self.pool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self.res0, self.res1 = ResidualBlock(out_channels), ResidualBlock(out_channels)
+
+    def forward(self, x):
+        return self.res1(self.res0(self.pool(self.conv(x))))
+
+
+class Agent(nn.Module):
+    """Torso (MLP for vector observations, Nature CNN or IMPALA ResNet for frames), optional LSTM, policy and baseline heads."""
+
+    def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False):
+        super().__init__()
+        if len(obs_shape) == 1:
+            self.obs_scale, hidden = 1.0, 64
+            self.torso = nn.Sequential(
+                layer_init(nn.Linear(obs_shape[0], hidden)), nn.Tanh(), layer_init(nn.Linear(hidden, hidden)), nn.Tanh()
+            )
+        elif network == "shallow":
+            self.obs_scale, hidden = 255.0, 512
+            self.torso = nn.Sequential(
+                layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)), nn.ReLU(),
+                layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+                layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
+                nn.Flatten(), layer_init(nn.Linear(64 * 7 * 7, hidden)), nn.ReLU(),
+            )
+        else:
+            self.obs_scale, hidden = 255.0, 256
+            self.torso = nn.Sequential(
+                ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32),
+                nn.Flatten(), nn.ReLU(), layer_init(nn.Linear(32 * 11 * 11, hidden)), nn.ReLU(),
+            )
+        self.lstm = nn.LSTMCell(hidden, hidden) if use_lstm else None
+        self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
+        self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
+
+    def initial_state(self, batch_size):
+        """The core state (h, c), each [B, hidden]; () without an LSTM."""
+        if self.lstm is None:
+            return ()
+        return tuple(torch.zeros(batch_size, self.lstm.hidden_size) for _ in range(2))
+
+    def forward(self, obs, first, core_state):
+        """obs [T, B, *obs_shape], first [T, B] (True where an episode starts) -> logits [T, B, A], values [T, B], core_state."""
+        T, B, *_ = obs.shape
+        x = self.torso(obs.flatten(0, 1).float() / self.obs_scale).view(T, B, -1)
+        if self.lstm is not None:
+            h, c = core_state
+            outputs = []
+            for t in range(T):
+                keep = (~first[t]).float().unsqueeze(-1)  # reset the state where an episode starts
+                h, c = self.lstm(x[t], (h * keep, c * keep))
+                outputs.append(h)
+            x, core_state = torch.stack(outputs), (h, c)
+        return self.actor(x), self.critic(x).squeeze(-1), core_state
+
+
+def create_buffers(args, obs_space, num_actions, core_state):
+    """Shared-memory rollout slots: [num_buffers, T + 1, ...] per step, [num_buffers, ...] per rollout."""
+    T = args.unroll_length
+    specs = dict(
+        obs=((T + 1, *obs_space.shape), torch.from_numpy(np.zeros(0, obs_space.dtype)).dtype),
+        reward=((T + 1,), torch.float32),  # reward received on arriving at obs[t], unclipped
+        terminated=((T + 1,), torch.bool),  # obs[t] is terminal (a lost life counts with --episodic-life)
+        truncated=((T + 1,), torch.bool),  # obs[t] is the last of an episode cut by the time limit
+        action=((T + 1,), torch.int64),  # action taken on obs[t]
+        logits=((T + 1, num_actions), torch.float32),  # behavior policy logits on obs[t]
+        policy_version=((), torch.int64),  # learner updates done when the rollout started
+    )
+    if core_state:
+        specs["core_state"] = ((len(core_state), *core_state[0].shape[1:]), torch.float32)  # before obs[0]
+    needed = sum(args.num_buffers * int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs.values())
+    free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else needed
+    if needed > free:
+        sys.exit(f"error: the rollout buffers need {needed / 2**20:.0f} MiB of shared memory but /dev/shm has "
+                 f"{free / 2**20:.0f} MiB free: lower --num-buffers or enlarge /dev/shm (docker run --shm-size)")
+    return {key: torch.zeros(args.num_buffers, *shape, dtype=dtype).share_memory_() for key, (shape, dtype) in specs.items()}
+
+
+def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_queue, policy_version):
+    """Steps `num_envs_per_actor` envs with the shared CPU `agent`, filling one buffer slot per env per rollout."""
+    try:
+        torch.set_num_threads(1)
+        parent = os.getppid()
+
+        def get_free_index():  # None asks the actor to stop; so does the death of the process that started it
+            while True:
+                try:
+                    return free_queue.get(timeout=1.0)
+                except queue.Empty:
+                    if os.getppid() != parent:
+                        return None
+
+        K, T = args.num_envs_per_actor, args.unroll_length
+        seed = args.seed + actor_index * K
+        torch.manual_seed(seed)
+        envs = [make_env(args, seed + k) for k in range(K)]
+        obs = np.stack([env.reset(seed=seed + k)[0] for k, env in enumerate(envs)])
+        # The current step of each env; the last step of one rollout is the first of the next.
+        step = dict(obs=torch.from_numpy(obs), reward=torch.zeros(K), terminated=torch.zeros(K, dtype=torch.bool),
+                    truncated=torch.zeros(K, dtype=torch.bool), action=torch.zeros(K, dtype=torch.int64))
+        first = torch.ones(K, dtype=torch.bool)  # step["obs"] starts an episode
+        core_state = agent.initial_state(K)  # before the current step
+        game_return, game_length = np.zeros(K), np.zeros(K, dtype=np.int64)
+
+        def act(core_state):
+            with torch.no_grad():
+                logits, _, next_core_state = agent(step["obs"][None], first[None], core_state)
+            step["logits"] = logits[0]
+            step["action"] = torch.multinomial(torch.softmax(logits[0], dim=-1), 1).squeeze(-1)
+            return next_core_state
+
+        next_core_state = act(core_state)
+        while True:
+            indices = [get_free_index() for _ in range(K)]
+            if None in indices:
+                break
+            for k, index in enumerate(indices):
+                buffers["policy_version"][index] = policy_version.value
+                if core_state:  # the state the core starts obs[0] from, already reset if obs[0] starts an episode
+                    buffers["core_state"][index] = torch.stack([s[k] for s in core_state]) * ~first[k]
+            for t in range(T + 1):
+                if t > 0:
+                    # EnvPool-style auto-reset: an env whose last step ended its episode returns the reset obs now.
+                    first = step["terminated"] | step["truncated"]
+                    for k, env in enumerate(envs):
+                        obs, reward, terminated, truncated, info = env.step(step["action"][k].item())
+                        step["obs"][k] = torch.from_numpy(obs)
+                        step["reward"][k], step["terminated"][k], step["truncated"][k] = reward, terminated, truncated
+                        if first[k]:
+                            continue  # the reset step belongs to no episode
+                        game_return[k] += reward
+                        game_length[k] += 1
+                        if truncated or info.get("terminated", terminated):  # the game is over, not just a life
+                            episode_queue.put((game_return[k], game_length[k]))
+                            game_return[k], game_length[k] = 0.0, 0
+                    core_state, next_core_state = next_core_state, act(next_core_state)
+                for k, index in enumerate(indices):
+                    for key, value in step.items():
+                        buffers[key][index, t] = value[k]
+            for index in indices:
+                full_queue.put(index)
+    except KeyboardInterrupt:
+        pass
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.write(f"actor {actor_index} failed\n")
+        sys.exit(1)
+
+
+def compute_loss(agent, batch, args):
+    """V-trace actor-critic loss on rollouts [T + 1, B, ...].
+
+    Losses are summed over T and B (as in the IMPALA paper and TorchBeast), not averaged:
+    the default learning rate assumes a batch of T x B = 640 steps.
+    """
+    done = batch["terminated"] | batch["truncated"]
+    # After a final obs comes a reset obs; the stored core state is already reset for obs[0].
+    first = torch.cat([torch.zeros_like(done[:1]), done[:-1]])
+    core_state = tuple(batch["core_state"]) if "core_state" in batch else ()
+    logits, values, _ = agent(batch["obs"], first, core_state)  # [T + 1, B, A], [T + 1, B]
+
+    # Move from obs[t] -> reward[t] to action[t] -> reward[t + 1]: step t is (obs[t], action[t], reward[t + 1], obs[t + 1]).
+    actions = batch["action"][:-1]
+    rewards = batch["reward"][1:].clamp(-1, 1) if args.reward_clip else batch["reward"][1:]
+    discounts = (~batch["terminated"][1:]).float() * args.gamma  # a truncated episode bootstraps from its final obs
+    target_log_probs = vtrace.action_log_probs(logits[:-1], actions)
+    behavior_log_probs = vtrace.action_log_probs(batch["logits"][:-1], actions)
+    # On a final obs the env ignores the action and resets: importance weight 0 stops the trace there
+    # (vs = V(final obs)) and gives the step no advantage.
+    log_rhos = (target_log_probs - behavior_log_probs).masked_fill(done[:-1], float("-inf"))
+    vtrace_returns = vtrace.from_importance_weights(
+        log_rhos=log_rhos,
+        discounts=discounts,
+        rewards=rewards,
+        values=values[:-1],
+        bootstrap_value=values[-1],
+        clip_rho_threshold=args.clip_rho_threshold,
+        clip_pg_rho_threshold=args.clip_pg_rho_threshold,
+        lambda_=args.vtrace_lambda,
+    )
+    policy_loss = -(vtrace_returns.pg_advantages * target_log_probs).sum()
+    value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
+    entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
+    loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum()
+    return loss, dict(policy_loss=policy_loss, value_loss=value_loss, entropy=entropy.mean(), loss=loss)
+
+
+def evaluate(args, agent):
+    """Plays `eval_episodes` full games with one actor in this process; returns their returns."""
+    args.num_envs_per_actor, args.num_buffers = 1, 2
+    buffers = create_buffers(args, make_env(args, args.seed).observation_space, agent.actor.out_features, agent.initial_state(1))
+    free_queue, full_queue, episode_queue = queue.Queue(), queue.Queue(), queue.Queue()
+    for index in range(args.num_buffers):
+        free_queue.put(index)
+    thread = threading.Thread(target=actor, args=(0, args, agent, buffers, free_queue, full_queue, episode_queue, mp.Value("l", 0)), daemon=True)
+    thread.start()
+    returns = []
+    while len(returns) < args.eval_episodes:
+        try:
+            returns.append(episode_queue.get(timeout=0.01)[0])
+        except queue.Empty:
+            if not thread.is_alive():
+                sys.exit("error: evaluation failed (see the actor's error above)")
+        while not full_queue.empty():
+            free_queue.put(full_queue.get())
+    free_queue.put(None)
+    return np.array(returns)
+
+
+def check_args(args):
+    """Exits with a one-line error on bad input, before anything is started."""
+    if not (is_atari(args.env_id) or args.env_id in gym.registry):
+        sys.exit(f"error: unknown --env-id {args.env_id!r}: use an Atari id as in EnvPool (Pong-v5, Breakout-v5, ...) "
+                 "or a gymnasium classic-control id (CartPole-v1, Acrobot-v1, ...)")
+    for name in ("total_timesteps", "num_actors", "num_envs_per_actor", "unroll_length", "batch_size", "num_buffers",
+                 "num_learner_threads", "num_torch_threads", "eval_episodes"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    num_envs = args.num_actors * args.num_envs_per_actor
+    if args.num_buffers is None:
+        args.num_buffers = 2 * (num_envs + args.batch_size)
+    if args.num_buffers < num_envs + args.batch_size:
+        sys.exit(f"error: --num-buffers {args.num_buffers} is too small: each of the {num_envs} envs fills a slot while the "
+                 f"learner gathers --batch-size {args.batch_size}; use at least {num_envs + args.batch_size}")
+    for name in ("resume", "eval_checkpoint"):
+        path = getattr(args, name)
+        if path is not None and not os.path.isfile(path):
+            sys.exit(f"error: --{name.replace('_', '-')} {path}: no such file")
+
+
+def load_checkpoint(path, args):
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        trained = checkpoint["args"]
+    except Exception as e:
+        sys.exit(f"error: cannot read checkpoint {path} ({type(e).__name__}): pass a checkpoint.pt written by this script")
+    for name in ("env_id", "network", "use_lstm"):
+        if trained[name] != getattr(args, name):
+            sys.exit(f"error: checkpoint {path} is for --{name.replace('_', '-')} {trained[name]}, not {getattr(args, name)}: "
+                     "pass the same flag as in training")
+    return checkpoint
+
+
+def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
+    """Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint."""
+    checkpoint = dict(model=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=global_step,
+                      num_updates=num_updates, args=vars(args))
+    torch.save(checkpoint, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
+    checkpoint = load_checkpoint(args.resume or args.eval_checkpoint, args) if (args.resume or args.eval_checkpoint) else None
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.num_torch_threads)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+    env = make_env(args, args.seed)
+    obs_space, num_actions = env.observation_space, env.action_space.n
+    env.close()
+    agent = Agent(obs_space.shape, num_actions, args.network, args.use_lstm)
+    if checkpoint is not None:
+        agent.load_state_dict(checkpoint["model"])
+
+    if args.eval_checkpoint:
+        returns = evaluate(args, agent)
+        print(f"{args.env_id}: mean return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} games "
+              f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})")
+        sys.exit(0)
+
+    actor_agent = Agent(obs_space.shape, num_actions, args.network, args.use_lstm)  # CPU copy the actors act with
+    actor_agent.load_state_dict(agent.state_dict())
+    actor_agent.share_memory()
+    agent.to(device)
+    optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
+    global_step, num_updates = 0, 0
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        global_step, num_updates = checkpoint["global_step"], checkpoint["num_updates"]
+        args.run_name = os.path.basename(os.path.dirname(os.path.abspath(args.resume)))
+    if not args.run_name:
+        args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = os.path.join("runs", args.run_name)
+    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
+    writer = SummaryWriter(run_dir, purge_step=global_step if args.resume else None)
+    writer.add_text(
+        "hyperparameters",
+        "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in vars(args).items()])),
+    )
+
+    # TRY NOT TO MODIFY: start the actors
+    buffers = create_buffers(args, obs_space, num_actions, agent.initial_state(1))
+    ctx = mp.get_context("fork")
+    free_queue, full_queue, episode_queue = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    policy_version = ctx.Value("l", num_updates)
+    for index in range(args.num_buffers):
+        free_queue.put(index)
+    actors = []
+    for actor_index in range(args.num_actors):
+        process = ctx.Process(
+            target=actor,
+            args=(actor_index, args, actor_agent, buffers, free_queue, full_queue, episode_queue, policy_version),
+            daemon=True,
+        )
+        # The main process shuts actors down (None in the free queue): Ctrl-C and SIGTERM go to it alone.
+        sigint, sigterm = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        process.start()
+        signal.signal(signal.SIGINT, sigint), signal.signal(signal.SIGTERM, sigterm)
+        actors.append(process)
+
+    # ALGO LOGIC: the learner
+    T, B = args.unroll_length, args.batch_size
+    stop = threading.Event()
+    batch_lock, learn_lock = threading.Lock(), threading.Lock()
+    learner_errors = []
+
+    def get_batch():
+        """B full rollouts, time-major on the learner's device; their slots go straight back to the actors."""
+        indices = []
+        while len(indices) < B:
+            try:
+                indices.append(full_queue.get(timeout=0.5))
+            except queue.Empty:
+                if stop.is_set():
+                    return None
+        batch = {key: buffer[indices] for key, buffer in buffers.items()}  # [B, ...]
+        for index in indices:
+            free_queue.put(index)
+        # [T + 1, B, ...] per step, core_state [2, B, hidden], policy_version [B]
+        return {key: (value.transpose(0, 1) if value.dim() > 1 else value).to(device, non_blocking=True)
+                for key, value in batch.items()}
+
+    def learner_thread():
+        global global_step, num_updates
+        try:
+            while not stop.is_set() and global_step < args.total_timesteps:
+                batch_start = time.time()
+                with batch_lock:
+                    batch = get_batch()
+                if batch is None:
+                    return
+                with learn_lock:
+                    update_start = time.time()
+                    lr = args.learning_rate * (1.0 - global_step / args.total_timesteps if args.anneal_lr else 1.0)
+                    optimizer.param_groups[0]["lr"] = lr
+                    loss, stats = compute_loss(agent, batch, args)
+                    optimizer.zero_grad()
+                    loss.backward()
+                    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    actor_agent.load_state_dict(agent.state_dict())
+                    policy_lag = num_updates - batch["policy_version"].float().mean().item()
+                    num_updates += 1
+                    policy_version.value = num_updates
+                    global_step += T * B
+                    for key, value in stats.items():
+                        writer.add_scalar(f"losses/{key}", value.item(), global_step)
+                    writer.add_scalar("charts/learning_rate", lr, global_step)
+                    writer.add_scalar("stats/policy_lag", policy_lag, global_step)
+                    writer.add_scalar("stats/batch_wait_time", update_start - batch_start, global_step)
+                    writer.add_scalar("stats/update_time", time.time() - update_start, global_step)
+        except Exception as e:
+            learner_errors.append(e)
+            traceback.print_exc()
+            stop.set()
+
+    # TRY NOT TO MODIFY: run until done, watching the actors; save on the way out
+    signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+    learners = [threading.Thread(target=learner_thread) for _ in range(args.num_learner_threads)]
+    start_time, start_step = time.time(), global_step
+    last_log = last_checkpoint = start_time
+    recent_returns = collections.deque(maxlen=20)
+    exit_code = 0
+    try:
+        for thread in learners:
+            thread.start()
+        while any(thread.is_alive() for thread in learners):
+            time.sleep(0.1)
+            while not episode_queue.empty():
+                episodic_return, episodic_length = episode_queue.get()
+                recent_returns.append(episodic_return)
+                writer.add_scalar("charts/episodic_return", episodic_return, global_step)
+                writer.add_scalar("charts/episodic_length", episodic_length, global_step)
+            failed = [(i, p.exitcode) for i, p in enumerate(actors) if not p.is_alive()]
+            if failed:
+                raise RuntimeError(f"actor {failed[0][0]} exited with code {failed[0][1]}")
+            now = time.time()
+            if now - last_log >= 5.0:
+                sps = int((global_step - start_step) / (now - start_time))
+                writer.add_scalar("charts/SPS", sps, global_step)
+                writer.add_scalar("stats/full_queue_size", full_queue.qsize(), global_step)
+                mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
+                print(f"global_step={global_step} SPS={sps} updates={num_updates} "
+                      f"episodic_return(last {len(recent_returns)})={mean_return}", flush=True)
+                last_log = now
+            if now - last_checkpoint >= args.checkpoint_interval:
+                with learn_lock:
+                    save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
+                last_checkpoint = now
+        if learner_errors:
+            raise RuntimeError(f"the learner failed: {learner_errors[0]!r}")
+    except KeyboardInterrupt:
+        print(f"interrupted at global_step={global_step}", flush=True)
+    except RuntimeError as e:
+        print(f"error: {e}; stopping the run", file=sys.stderr, flush=True)
+        exit_code = 1
+    finally:
+        stop.set()
+        for thread in learners:
+            thread.join()
+        for _ in actors:
+            free_queue.put(None)
+        for process in actors:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+        save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
+        print(f"saved {checkpoint_path} at global_step={global_step} "
+              f"(mean of the last {len(recent_returns)} episodic returns: "
+              f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f})", flush=True)
+        writer.close()
+    sys.exit(exit_code)
