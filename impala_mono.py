@@ -235,11 +235,10 @@ class Agent(nn.Module):
 
     def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False):
         super().__init__()
-        if len(obs_shape) == 1:
-            self.obs_scale, hidden = 1.0, 64
-            self.torso = nn.Sequential(
-                layer_init(nn.Linear(obs_shape[0], hidden)), nn.Tanh(), layer_init(nn.Linear(hidden, hidden)), nn.Tanh()
-            )
+        head_hidden = None  # frames: linear heads on a shared torso
+        if len(obs_shape) == 1:  # vectors: separate policy and value MLPs (as CleanRL's classic-control agent)
+            self.obs_scale, hidden, head_hidden = 1.0, obs_shape[0], 64
+            self.torso = nn.Flatten()
         elif network == "shallow":
             self.obs_scale, hidden = 255.0, 512
             self.torso = nn.Sequential(
@@ -255,8 +254,14 @@ class Agent(nn.Module):
                 nn.Flatten(), nn.ReLU(), layer_init(nn.Linear(32 * 11 * 11, hidden)), nn.ReLU(),
             )
         self.lstm = nn.LSTMCell(hidden, hidden) if use_lstm else None
-        self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
-        self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
+        if head_hidden is None:
+            self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
+            self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
+        else:
+            self.actor = nn.Sequential(layer_init(nn.Linear(hidden, head_hidden)), nn.Tanh(), layer_init(nn.Linear(head_hidden, head_hidden)),
+                                       nn.Tanh(), layer_init(nn.Linear(head_hidden, num_actions), std=0.01))
+            self.critic = nn.Sequential(layer_init(nn.Linear(hidden, head_hidden)), nn.Tanh(), layer_init(nn.Linear(head_hidden, head_hidden)),
+                                        nn.Tanh(), layer_init(nn.Linear(head_hidden, 1), std=1.0))
 
     def initial_state(self, batch_size):
         """The core state (h, c), each [B, hidden]; () without an LSTM."""
@@ -413,7 +418,8 @@ def compute_loss(agent, batch, args):
 def evaluate(args, agent):
     """Plays `eval_episodes` full games with one actor in this process; returns their returns."""
     args.num_envs_per_actor, args.num_buffers = 1, 2
-    buffers = create_buffers(args, make_env(args, args.seed).observation_space, agent.actor.out_features, agent.initial_state(1))
+    env = make_env(args, args.seed)
+    buffers = create_buffers(args, env.observation_space, env.action_space.n, agent.initial_state(1))
     free_queue, full_queue, episode_queue = queue.Queue(), queue.Queue(), queue.Queue()
     for index in range(args.num_buffers):
         free_queue.put(index)
@@ -514,7 +520,7 @@ if __name__ == "__main__":
         args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = os.path.join("runs", args.run_name)
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
-    writer = SummaryWriter(run_dir, purge_step=global_step if args.resume else None)
+    writer = SummaryWriter(run_dir, purge_step=global_step + 1 if args.resume else None)  # drop what was logged after the checkpoint
     writer.add_text(
         "hyperparameters",
         "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in vars(args).items()])),

@@ -8,15 +8,11 @@ The ground truth evaluates this sum directly (not the backward recursion vtrace.
 Run: python -m pytest tests/test_vtrace.py
 """
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import vtrace  # noqa: E402
+import vtrace
 
 SHAPES = [(1, 1), (1, 4), (6, 1), (5, 3), (20, 2), (6, 2, 3)]  # [T, B, ...]
 CLIPS = [(1.0, 1.0), (None, None), (0.5, 2.0), (3.7, 2.2)]  # (clip_rho, clip_pg_rho)

@@ -1,0 +1,157 @@
+"""impala_mono.py through its command line, as a user runs it."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import envpool
+import numpy as np
+import pytest
+import torch
+
+from helpers import ROOT, error_line, run, run_dirs, scalars
+from impala_mono import AtariEnv
+
+SCRIPT = "impala_mono.py"
+# A few updates of the default network on Atari, small enough for CI.
+SMALL = ["--num-actors", 1, "--num-envs-per-actor", 2, "--unroll-length", 10, "--batch-size", 2, "--num-torch-threads", 1]
+
+
+@pytest.mark.parametrize("game", ["Pong", "Breakout"])
+def test_atari_env_matches_envpool(game):
+    """Same game, same actions: our ale-py preprocessing gives EnvPool's frames, rewards and episode ends."""
+    pool = envpool.make(f"{game}-v5", env_type="gymnasium", num_envs=1, noop_max=1, episodic_life=True, seed=0)
+    env = AtariEnv(f"{game}-v5", episodic_life=True, repeat_action_probability=0.0, noop_max=1)  # no random no-ops
+    expected, _ = pool.reset()
+    obs, _ = env.reset(seed=0)
+    rng = np.random.default_rng(0)
+    frame_diffs, episode_ends = [np.abs(expected[0].astype(int) - obs).max()], 0
+    for _ in range(2000):
+        action = int(rng.integers(env.action_space.n))
+        expected, reward, terminated, truncated, info = pool.step(np.array([action]))
+        obs, my_reward, my_terminated, my_truncated, my_info = env.step(action)
+        assert (my_reward, my_terminated, my_truncated, my_info["lives"]) == (reward[0], terminated[0], truncated[0], info["lives"][0])
+        frame_diffs.append(np.abs(expected[0].astype(int) - obs).max())
+        if terminated[0] or truncated[0]:
+            episode_ends += 1
+            expected = pool.step(np.array([0]))[0]  # EnvPool resets on the next step
+            obs, _ = env.reset()
+            frame_diffs.append(np.abs(expected[0].astype(int) - obs).max())
+    frame_diffs = np.array(frame_diffs)
+    assert episode_ends >= 2  # life losses were exercised
+    # Resizes round differently by at most one grey level (OpenCV's fixed point vs. our float matrix product).
+    assert np.mean(frame_diffs <= 1) >= 0.99, np.unique(frame_diffs, return_counts=True)
+
+
+def test_cartpole_learns(tmp_path):
+    """Default flags solve CartPole-v1: mean of the last 20 full-game returns >= 400."""
+    result = run(SCRIPT, "--env-id", "CartPole-v1", "--total-timesteps", 3_000_000, "--seed", 1, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    returns = [value for _, value in scalars(run_dirs(tmp_path)[0], "charts/episodic_return")]
+    assert len(returns) >= 20
+    assert np.mean(returns[-20:]) >= 400, returns[-20:]
+
+
+@pytest.mark.parametrize("lstm", [False, True])
+def test_atari_updates_then_eval(tmp_path, lstm):
+    """A few updates on Pong-v5, then eval mode plays a full game from the saved checkpoint."""
+    flags = ["--use-lstm"] if lstm else []
+    T, B, updates = 10, 2, 3
+    result = run(SCRIPT, "--env-id", "Pong-v5", "--total-timesteps", T * B * updates, *SMALL, *flags, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
+    assert (checkpoint["global_step"], checkpoint["num_updates"]) == (T * B * updates, updates)
+    assert [step for step, _ in scalars(run_dir, "losses/loss")] == [T * B * (i + 1) for i in range(updates)]
+    assert all(np.isfinite(value) for _, value in scalars(run_dir, "losses/loss"))
+
+    result = run(SCRIPT, "--env-id", "Pong-v5", *flags, "--eval-checkpoint", os.path.join(run_dir, "checkpoint.pt"),
+                 "--eval-episodes", 1, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith("Pong-v5: mean return "), line
+    game_return = float(line.split()[3])
+    # A barely trained agent loses a full game of Pong: the opponent scores 21 first.
+    assert game_return == int(game_return) and -21 <= game_return <= -15, line
+
+
+def test_resume_continues_the_run(tmp_path):
+    steps = 10 * 2 * 2
+    result = run(SCRIPT, "--env-id", "Breakout-v5", "--total-timesteps", steps, *SMALL, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    result = run(SCRIPT, "--env-id", "Breakout-v5", "--total-timesteps", 2 * steps, *SMALL,
+                 "--resume", os.path.join(run_dir, "checkpoint.pt"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert run_dirs(tmp_path) == [run_dir]  # same run folder
+    checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
+    assert (checkpoint["global_step"], checkpoint["num_updates"]) == (2 * steps, 4)
+    steps_logged = [step for step, _ in scalars(run_dir, "losses/loss")]
+    assert steps_logged == [20, 40, 60, 80]
+    # The schedule goes on from where it was: lr at step 60 is 6e-4 * (1 - 40 / 80).
+    assert dict(scalars(run_dir, "charts/learning_rate"))[60] == pytest.approx(6e-4 * 0.5)
+
+
+def children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+def test_killed_actor_stops_the_run(tmp_path):
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, SCRIPT), "--env-id", "CartPole-v1"],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while len(children(process.pid)) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        actors = children(process.pid)
+        time.sleep(2)
+        os.kill(actors[-1], signal.SIGKILL)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 1
+    assert "error: actor 1 exited with code -9" in stderr
+    assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z" for pid in actors)
+
+
+def test_interrupt_saves_and_exits_cleanly(tmp_path):
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, SCRIPT), "--env-id", "CartPole-v1"],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not run_dirs(tmp_path) or not scalars(run_dirs(tmp_path)[0], "losses/loss"):
+        assert time.time() < deadline and process.poll() is None
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    checkpoint = torch.load(os.path.join(run_dirs(tmp_path)[0], "checkpoint.pt"), weights_only=True)
+    assert checkpoint["global_step"] > 0 and f"saved" in stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--env-id", "Pongg-v5"], "error: unknown --env-id 'Pongg-v5'"),
+    (["--env-id", "CartPole-v1", "--num-actors", 0], "error: --num-actors must be positive, got 0"),
+    (["--env-id", "CartPole-v1", "--unroll-length", -1], "error: --unroll-length must be positive, got -1"),
+    (["--env-id", "CartPole-v1", "--num-buffers", 10], "error: --num-buffers 10 is too small"),
+    (["--env-id", "CartPole-v1", "--resume", "nowhere.pt"], "error: --resume nowhere.pt: no such file"),
+])
+def test_bad_input(tmp_path, flags, message):
+    assert error_line(run(SCRIPT, *flags, cwd=tmp_path)).startswith(message)
+    assert not os.path.exists(tmp_path / "runs")
+
+
+def test_checkpoint_for_another_env_or_network(tmp_path):
+    result = run(SCRIPT, "--env-id", "CartPole-v1", "--total-timesteps", 640, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    path = os.path.join(run_dirs(tmp_path)[0], "checkpoint.pt")
+    assert error_line(run(SCRIPT, "--env-id", "Acrobot-v1", "--eval-checkpoint", path, cwd=tmp_path)).startswith(
+        f"error: checkpoint {path} is for --env-id CartPole-v1, not Acrobot-v1")
+    assert error_line(run(SCRIPT, "--env-id", "CartPole-v1", "--use-lstm", "--resume", path, cwd=tmp_path)).startswith(
+        f"error: checkpoint {path} is for --use-lstm False, not True")
+    (tmp_path / "junk.pt").write_text("not a checkpoint")
+    assert error_line(run(SCRIPT, "--env-id", "CartPole-v1", "--eval-checkpoint", "junk.pt", cwd=tmp_path)).startswith(
+        "error: cannot read checkpoint junk.pt")
