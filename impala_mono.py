@@ -230,15 +230,26 @@ class ConvSequence(nn.Module):
         return self.res1(self.res0(self.pool(self.conv(x))))
 
 
+def mlp(in_features, out_features, std, hidden=64):
+    return nn.Sequential(
+        layer_init(nn.Linear(in_features, hidden)), nn.Tanh(),
+        layer_init(nn.Linear(hidden, hidden)), nn.Tanh(),
+        layer_init(nn.Linear(hidden, out_features), std=std),
+    )
+
+
 class Agent(nn.Module):
-    """Torso (MLP for vector observations, Nature CNN or IMPALA ResNet for frames), optional LSTM, policy and baseline heads."""
+    """Torso (Nature CNN or IMPALA ResNet for frames), optional LSTM core, policy and baseline heads.
+
+    Vector observations get separate policy and value MLPs (as CleanRL's classic-control agent): with a
+    shared torso, the large value-loss gradients of long episodes drown the policy gradient.
+    """
 
     def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False):
         super().__init__()
-        head_hidden = None  # frames: linear heads on a shared torso
-        if len(obs_shape) == 1:  # vectors: separate policy and value MLPs (as CleanRL's classic-control agent)
-            self.obs_scale, hidden, head_hidden = 1.0, obs_shape[0], 64
-            self.torso = nn.Flatten()
+        if len(obs_shape) == 1:
+            self.obs_scale, hidden = 1.0, obs_shape[0]
+            self.torso = nn.Identity()
         elif network == "shallow":
             self.obs_scale, hidden = 255.0, 512
             self.torso = nn.Sequential(
@@ -253,15 +264,13 @@ class Agent(nn.Module):
                 ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32),
                 nn.Flatten(), nn.ReLU(), layer_init(nn.Linear(32 * 11 * 11, hidden)), nn.ReLU(),
             )
-        self.lstm = nn.LSTMCell(hidden, hidden) if use_lstm else None
-        if head_hidden is None:
-            self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
-            self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
+        self.lstm = nn.LSTMCell(hidden, max(hidden, 64)) if use_lstm else None
+        core_size = self.lstm.hidden_size if use_lstm else hidden
+        if len(obs_shape) == 1:
+            self.actor, self.critic = mlp(core_size, num_actions, std=0.01), mlp(core_size, 1, std=1.0)
         else:
-            self.actor = nn.Sequential(layer_init(nn.Linear(hidden, head_hidden)), nn.Tanh(), layer_init(nn.Linear(head_hidden, head_hidden)),
-                                       nn.Tanh(), layer_init(nn.Linear(head_hidden, num_actions), std=0.01))
-            self.critic = nn.Sequential(layer_init(nn.Linear(hidden, head_hidden)), nn.Tanh(), layer_init(nn.Linear(head_hidden, head_hidden)),
-                                        nn.Tanh(), layer_init(nn.Linear(head_hidden, 1), std=1.0))
+            self.actor = layer_init(nn.Linear(core_size, num_actions), std=0.01)
+            self.critic = layer_init(nn.Linear(core_size, 1), std=1.0)
 
     def initial_state(self, batch_size):
         """The core state (h, c), each [B, hidden]; () without an LSTM."""

@@ -1,0 +1,99 @@
+"""Steps/s of the scripts next to raw environment stepping, measured side by side in one run.
+
+    python benchmarks/throughput.py --env-ids Breakout-v5 Pong-v5 CartPole-v1 --seconds 60
+
+Prints one table per env: raw gymnasium/ale-py (one env, random actions), raw EnvPool (random
+actions, async, at poly's pool settings), impala_mono.py and impala_poly.py with their default
+flags (plus --env-id), and each one's ratio to raw EnvPool. Scripts are timed from their own
+progress lines after a warm-up, so start-up does not count.
+"""
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import envpool
+import gymnasium as gym
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def raw_gymnasium(env_id, seconds):
+    """One gymnasium env (ale-py for Atari: frame skip 4 inside ALE), random actions."""
+    import ale_py
+
+    gym.register_envs(ale_py)
+    if f"ALE/{env_id}" in gym.registry:
+        env = gym.make(f"ALE/{env_id}", repeat_action_probability=0.0)
+    else:
+        env = gym.make(env_id)
+    env.reset(seed=0)
+    steps, start = 0, time.time()
+    while time.time() - start < seconds:
+        _, _, terminated, truncated, _ = env.step(env.action_space.sample())
+        steps += 1
+        if terminated or truncated:
+            env.reset()
+    return steps / (time.time() - start)
+
+
+def raw_envpool(env_id, seconds, num_envs, batch_size, num_threads):
+    """EnvPool in async mode (recv/send), random actions."""
+    pool = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, batch_size=batch_size,
+                        num_threads=num_threads, seed=0)
+    pool.async_reset()
+    rng = np.random.default_rng(0)
+    steps, start = 0, time.time()
+    while time.time() - start < seconds:
+        obs, _, _, _, info = pool.recv()
+        pool.send(rng.integers(pool.action_space.n, size=len(info["env_id"])), info["env_id"])
+        steps += len(info["env_id"])
+    return steps / (time.time() - start)
+
+
+def script_sps(script, env_id, seconds, warmup, extra=()):
+    """Runs a training script and returns its steps/s between the end of the warm-up and `seconds` later."""
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, script), "--env-id", env_id, *extra],
+                               cwd=os.environ.get("TMPDIR", "/tmp"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    points = []  # (time, global_step)
+    start = time.time()
+    try:
+        for line in process.stdout:
+            match = re.match(r"global_step=(\d+) ", line)
+            if match and time.time() - start >= warmup:
+                points.append((time.time(), int(match.group(1))))
+                if points[-1][0] - points[0][0] >= seconds:
+                    break
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait()
+    if len(points) < 2:
+        return float("nan")
+    return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--env-ids", nargs="+", default=["Breakout-v5", "Pong-v5", "CartPole-v1"])
+    parser.add_argument("--seconds", type=float, default=60.0, help="measuring time of each entry")
+    parser.add_argument("--warmup", type=float, default=20.0, help="seconds a script runs before it is timed")
+    parser.add_argument("--num-envs", type=int, default=32, help="EnvPool pool size (raw and poly)")
+    parser.add_argument("--scripts", nargs="+", default=["impala_mono.py", "impala_poly.py"])
+    args = parser.parse_args()
+    for env_id in args.env_ids:
+        rows = [("gymnasium, 1 env, random actions", raw_gymnasium(env_id, args.seconds))]
+        envpool_sps = raw_envpool(env_id, args.seconds, args.num_envs, args.num_envs // 2, os.cpu_count())
+        rows.append((f"EnvPool async, {args.num_envs} envs, random actions", envpool_sps))
+        for script in args.scripts:
+            if os.path.exists(os.path.join(ROOT, script)):
+                extra = ["--num-envs", args.num_envs] if script == "impala_poly.py" else []
+                rows.append((f"{script}, default flags", script_sps(script, env_id, args.seconds, args.warmup, map(str, extra))))
+        print(f"\n{env_id} ({os.cpu_count()} cores)")
+        print(f"| {'what':<45} | {'steps/s':>8} | {'/ EnvPool':>9} |\n|{'-' * 47}|{'-' * 10}|{'-' * 11}|")
+        for name, sps in rows:
+            print(f"| {name:<45} | {sps:>8.0f} | {sps / envpool_sps:>9.2f} |", flush=True)
