@@ -3,12 +3,17 @@
 Paper: https://arxiv.org/abs/1802.01561 (Espeholt et al. 2018). Design after TorchBeast's MonoBeast.
 
     python impala_mono.py --env-id Pong-v5
-    python impala_mono.py --env-id CartPole-v1 --total-timesteps 300000
+    python impala_mono.py --env-id CartPole-v1 --total-timesteps 4000000
     python impala_mono.py --env-id Pong-v5 --eval-checkpoint runs/<run_name>/checkpoint.pt
 """
 
-import collections
 import os
+
+# One thread per actor process for numpy (the frame resize) and torch: spare threads spin and fight
+# over the cores. The learner sets its own torch thread count (--num-torch-threads).
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import collections
 import queue
 import random
 import shutil

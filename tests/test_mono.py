@@ -155,3 +155,17 @@ def test_checkpoint_for_another_env_or_network(tmp_path):
     (tmp_path / "junk.pt").write_text("not a checkpoint")
     assert error_line(run(SCRIPT, "--env-id", "CartPole-v1", "--eval-checkpoint", "junk.pt", cwd=tmp_path)).startswith(
         "error: cannot read checkpoint junk.pt")
+
+
+def test_too_little_shared_memory_is_a_clear_error(monkeypatch, capsys):
+    import shutil
+
+    import impala_mono
+
+    args = impala_mono.Args(env_id="Pong-v5", num_buffers=100)
+    monkeypatch.setattr(impala_mono.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(64 * 2**20, 0, 10 * 2**20))
+    env = impala_mono.make_env(args, seed=0)
+    with pytest.raises(SystemExit) as exit_info:
+        impala_mono.create_buffers(args, env.observation_space, env.action_space.n, ())
+    # 100 slots x 21 steps x 4 x 84 x 84 bytes of frames alone: 57 MiB.
+    assert str(exit_info.value).startswith("error: the rollout buffers need 57 MiB of shared memory but /dev/shm has 10 MiB free")
