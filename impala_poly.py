@@ -1,0 +1,664 @@
+"""IMPALA with EnvPool: an async env pool stepped by batched inference, a learner thread, torchrun for many GPUs or nodes.
+
+Paper: https://arxiv.org/abs/1802.01561 (Espeholt et al. 2018). The acting side follows CleanRL's envpool scripts
+and Cleanba (async EnvPool, one bounded queue to the learner); the agent and the V-trace loss are impala_mono.py's.
+
+    python impala_poly.py --env-id Breakout-v5
+    python impala_poly.py --env-id CartPole-v1 --total-timesteps 1000000 --num-envs 16
+    python impala_poly.py --env-id Breakout-v5 --eval-checkpoint runs/<run_name>/checkpoint.pt
+    # one machine, 8 GPUs: a pool and a learner per GPU, gradients averaged over them
+    torchrun --standalone --nproc-per-node 8 impala_poly.py --env-id Breakout-v5
+    # two machines: the same command on each, with --node-rank 1 on the second
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr <first machine> --master-port 29500 impala_poly.py --env-id Breakout-v5
+"""
+
+import collections
+import copy
+import os
+import queue
+import random
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal, Optional
+
+import envpool
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import tyro
+from torch.utils.tensorboard import SummaryWriter
+
+import vtrace
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (actor and environment seeds are offset from it)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, the learner runs on CUDA when it is available"""
+    env_id: str = "Pong-v5"
+    """an Atari id as in EnvPool (`Pong-v5`, `Breakout-v5`, ...) or a gymnasium classic-control id (`CartPole-v1`)"""
+    total_timesteps: int = 50_000_000
+    """total environment steps over all actors (an Atari step is 4 frames)"""
+
+    # Algorithm specific arguments
+    num_envs: int = 64
+    """the number of environments in the EnvPool pool of each rank"""
+    env_batch_size: Optional[int] = None
+    """the number of envs each `recv()` returns (EnvPool's async batch); default: num_envs // 2"""
+    num_threads: Optional[int] = None
+    """EnvPool worker threads of each rank; default: the CPU cores over the ranks on this machine"""
+    unroll_length: int = 20
+    """the number of steps in each rollout (T)"""
+    batch_size: int = 32
+    """the number of rollouts (trajectories) in each learner update (B)"""
+    queue_size: int = 2
+    """the most batches waiting for the learner; when it is full the envs wait, which bounds the policy lag"""
+    num_torch_threads: Optional[int] = None
+    """torch intra-op threads, shared by batched inference and the learner; default: as `num_threads`"""
+    learning_rate: float = 6e-4
+    """the learning rate of the RMSProp optimizer"""
+    anneal_lr: bool = True
+    """linearly anneal the learning rate to 0 over `total_timesteps`"""
+    rmsprop_alpha: float = 0.99
+    """RMSProp smoothing constant"""
+    rmsprop_eps: float = 0.01
+    """RMSProp epsilon"""
+    gamma: float = 0.99
+    """the discount factor"""
+    ent_coef: float = 0.01
+    """coefficient of the entropy bonus"""
+    vf_coef: float = 0.5
+    """coefficient of the value (baseline) loss"""
+    max_grad_norm: float = 40.0
+    """the maximum norm for the global gradient clipping"""
+    reward_clip: bool = True
+    """clip rewards to [-1, 1] in the loss (logged returns stay unclipped)"""
+    network: Literal["shallow", "deep"] = "shallow"
+    """Atari torso: the Nature CNN ("shallow") or the IMPALA ResNet ("deep")"""
+    use_lstm: bool = False
+    """add an LSTM core; its state is reset at episode boundaries"""
+    episodic_life: bool = True
+    """Atari: end an episode (for learning only) when a life is lost"""
+    repeat_action_probability: float = 0.0
+    """Atari: sticky-action probability"""
+
+    # V-trace arguments
+    clip_rho_threshold: float = 1.0
+    """rho-bar, the importance weight clip for the value targets"""
+    clip_pg_rho_threshold: float = 1.0
+    """the importance weight clip in the policy-gradient advantage"""
+    vtrace_lambda: float = 1.0
+    """lambda, scales the trace coefficients c"""
+
+    # Checkpoints and evaluation
+    checkpoint_interval: float = 600.0
+    """seconds between checkpoints (one is also written at the end and on Ctrl-C / SIGTERM)"""
+    resume: Optional[str] = None
+    """path of a checkpoint.pt to continue (same run folder, step count and schedule; under torchrun every machine reads it)"""
+    eval_checkpoint: Optional[str] = None
+    """path of a checkpoint.pt to evaluate instead of training"""
+    eval_episodes: int = 10
+    """the number of full games played by evaluation"""
+
+    # to be filled in runtime
+    run_name: str = ""
+    """the run's folder under runs/ (set from the checkpoint when resuming)"""
+
+
+def is_atari(env_id):
+    return "repeat_action_probability" in envpool.make_spec(env_id).config._fields
+
+
+def make_env(args, num_envs, batch_size, seed, num_threads):
+    """An EnvPool pool; env i is seeded with seed + i. Atari keeps EnvPool's preprocessing (30 no-ops, 4-frame skip,
+    84x84 gray, 4 stacked frames, fire reset, 27,000-step cap). After a final obs an env returns the reset obs on its
+    next step and ignores that step's action."""
+    atari_kwargs = dict(episodic_life=args.episodic_life, repeat_action_probability=args.repeat_action_probability,
+                        reward_clip=False) if is_atari(args.env_id) else {}
+    return envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, batch_size=batch_size,
+                        num_threads=num_threads, seed=seed, **atari_kwargs)
+
+
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv0 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv1(torch.relu(self.conv0(torch.relu(x))))
+
+
+class ConvSequence(nn.Module):
+    def __init__(self, in_channels, out_channels):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1)
+        self.pool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self.res0, self.res1 = ResidualBlock(out_channels), ResidualBlock(out_channels)
+
+    def forward(self, x):
+        return self.res1(self.res0(self.pool(self.conv(x))))
+
+
+def mlp(in_features, out_features, std, hidden=64):
+    return nn.Sequential(
+        layer_init(nn.Linear(in_features, hidden)), nn.Tanh(),
+        layer_init(nn.Linear(hidden, hidden)), nn.Tanh(),
+        layer_init(nn.Linear(hidden, out_features), std=std),
+    )
+
+
+class Agent(nn.Module):
+    """Torso (Nature CNN or IMPALA ResNet for frames), optional LSTM core, policy and baseline heads.
+
+    Vector observations get separate policy and value MLPs (as CleanRL's classic-control agent): with a
+    shared torso, the large value-loss gradients of long episodes drown the policy gradient.
+    """
+
+    def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False):
+        super().__init__()
+        if len(obs_shape) == 1:
+            self.obs_scale, hidden = 1.0, obs_shape[0]
+            self.torso = nn.Identity()
+        elif network == "shallow":
+            self.obs_scale, hidden = 255.0, 512
+            self.torso = nn.Sequential(
+                layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)), nn.ReLU(),
+                layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+                layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
+                nn.Flatten(), layer_init(nn.Linear(64 * 7 * 7, hidden)), nn.ReLU(),
+            )
+        else:
+            self.obs_scale, hidden = 255.0, 256
+            self.torso = nn.Sequential(
+                ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32),
+                nn.Flatten(), nn.ReLU(), layer_init(nn.Linear(32 * 11 * 11, hidden)), nn.ReLU(),
+            )
+        self.lstm = nn.LSTMCell(hidden, max(hidden, 64)) if use_lstm else None
+        core_size = self.lstm.hidden_size if use_lstm else hidden
+        if len(obs_shape) == 1:
+            self.actor, self.critic = mlp(core_size, num_actions, std=0.01), mlp(core_size, 1, std=1.0)
+        else:
+            self.actor = layer_init(nn.Linear(core_size, num_actions), std=0.01)
+            self.critic = layer_init(nn.Linear(core_size, 1), std=1.0)
+
+    def initial_state(self, batch_size):
+        """The core state (h, c), each [B, hidden]; () without an LSTM."""
+        if self.lstm is None:
+            return ()
+        return tuple(torch.zeros(batch_size, self.lstm.hidden_size) for _ in range(2))
+
+    def forward(self, obs, first, core_state):
+        """obs [T, B, *obs_shape], first [T, B] (True where an episode starts) -> logits [T, B, A], values [T, B], core_state."""
+        T, B, *_ = obs.shape
+        x = self.torso(obs.flatten(0, 1).float() / self.obs_scale).view(T, B, -1)
+        if self.lstm is not None:
+            h, c = core_state
+            outputs = []
+            for t in range(T):
+                keep = (~first[t]).float().unsqueeze(-1)  # reset the state where an episode starts
+                h, c = self.lstm(x[t], (h * keep, c * keep))
+                outputs.append(h)
+            x, core_state = torch.stack(outputs), (h, c)
+        return self.actor(x), self.critic(x).squeeze(-1), core_state
+
+
+class ActingPolicy:
+    """The copy of the agent the envs act with, on the learner's device; the learner swaps new parameters in after
+    every update. The lock keeps inference from reading half-copied parameters."""
+
+    def __init__(self, agent, version=0):
+        self.agent, self.version, self.lock = copy.deepcopy(agent), version, threading.Lock()
+
+    @torch.no_grad()
+    def act(self, obs, first, core_state):
+        """obs [n, *obs_shape], first [n] -> action [n], logits [n, A], the next core_state, the policy version."""
+        with self.lock:
+            logits, _, core_state = self.agent(obs[None], first[None], core_state)
+            version = self.version
+        action = torch.multinomial(torch.softmax(logits[0], dim=-1), 1).squeeze(-1)
+        return action, logits[0], core_state, version
+
+    @torch.no_grad()
+    def update(self, agent, version):
+        with self.lock:
+            for acting, learning in zip(self.agent.state_dict().values(), agent.state_dict().values()):
+                acting.copy_(learning)
+            self.version = version
+
+
+class GameTracker:
+    """Full-game returns and lengths per env. With --episodic-life a lost life ends an episode for learning, not the
+    game: EnvPool's info["terminated"] (Atari) says when the game is over."""
+
+    def __init__(self, num_envs):
+        self.after_final = np.ones(num_envs, bool)  # the env's next obs is a reset obs (so is the very first)
+        self.returns, self.lengths = np.zeros(num_envs), np.zeros(num_envs, np.int64)
+
+    def update(self, env_ids, reward, terminated, truncated, info):
+        """Returns first [n] (the obs starts an episode) and [(return, length)] of the games that just ended."""
+        first = self.after_final[env_ids]
+        self.after_final[env_ids] = terminated | truncated
+        counted = ~first  # the reset step belongs to no episode
+        self.returns[env_ids] += reward * counted
+        self.lengths[env_ids] += counted
+        ended = env_ids[truncated | info.get("terminated", terminated).astype(bool)]
+        games = list(zip(self.returns[ended].tolist(), self.lengths[ended].tolist()))
+        self.returns[ended], self.lengths[ended] = 0.0, 0
+        return first, games
+
+
+class RolloutAssembler:
+    """Cuts each env's stream of steps into [T + 1] rollouts; EnvPool's async batches come in any env order.
+
+    Each env fills its own row, so a rollout never mixes envs; the last step of one rollout is the first of the next.
+    Per-step values (obs, reward, ..., logits) are written at the env's current step; per-rollout values
+    (policy_version, core_state) are kept from the step its rollout starts at.
+    """
+
+    def __init__(self, num_envs, unroll_length):
+        self.num_envs, self.T = num_envs, unroll_length
+        self.t = np.zeros(num_envs, np.int64)  # each env's current step in its rollout
+        self.steps, self.starts = None, None  # {key: [num_envs, T + 1, ...]}, {key: [num_envs, ...]}
+
+    def add(self, env_ids, step, start):
+        """step, start: {key: [n, ...] arrays} for the distinct envs `env_ids`. Returns the rollouts this step
+        finished: a list of {key: [T + 1, ...] per step, [...] per rollout}."""
+        if self.steps is None:
+            self.steps = {k: np.zeros((self.num_envs, self.T + 1, *v.shape[1:]), v.dtype) for k, v in step.items()}
+            self.starts = {k: np.zeros((self.num_envs, *v.shape[1:]), v.dtype) for k, v in start.items()}
+        T, t = self.T, self.t[env_ids]
+        for key, value in step.items():
+            self.steps[key][env_ids, t] = value
+        finished = env_ids[t == T]
+        rollouts = [{key: buffer[e].copy() for key, buffer in (*self.steps.items(), *self.starts.items())} for e in finished]
+        for buffer in self.steps.values():
+            buffer[finished, 0] = buffer[finished, T]
+        starting = (t == 0) | (t == T)
+        for key, value in start.items():
+            self.starts[key][env_ids[starting]] = value[starting]
+        self.t[env_ids] = np.where(t == T, 1, t + 1)
+        return rollouts
+
+
+def stack_rollouts(rollouts, pin_memory):
+    """B rollouts -> one batch: [T + 1, B, ...] per step, core_state [2, B, hidden], policy_version [B]."""
+    batch = {}
+    for key, value in rollouts[0].items():
+        stacked = torch.from_numpy(np.stack([rollout[key] for rollout in rollouts], axis=min(1, value.ndim)))
+        batch[key] = stacked.pin_memory() if pin_memory else stacked
+    return batch
+
+
+def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device):
+    """recv -> act -> send on the pool until `stop`; every `batch_size` finished rollouts go to the learner as a batch."""
+    assembler, games = RolloutAssembler(args.num_envs, args.unroll_length), GameTracker(args.num_envs)
+    core_state = tuple(s.to(device) for s in policy.agent.initial_state(args.num_envs))  # each env's state before its next obs
+    rollouts = []
+    envs.async_reset()
+    while not stop.is_set():
+        recv_start = time.time()
+        obs, reward, terminated, truncated, info = envs.recv()
+        env_ids = info["env_id"]
+        act_start = time.time()
+        first, ended = games.update(env_ids, reward, terminated, truncated, info)
+        episodes.extend(ended)
+        index, first_t = torch.from_numpy(env_ids).long().to(device), torch.from_numpy(first).to(device)
+        state = tuple(s[index] * ~first_t.unsqueeze(-1) for s in core_state)  # fed to the core on obs: reset where it starts an episode
+        action, logits, next_state, version = policy.act(torch.from_numpy(obs).to(device), first_t, state)
+        for s, next_s in zip(core_state, next_state):
+            s[index] = next_s
+        action = action.cpu().numpy()
+        start = dict(policy_version=np.full(len(env_ids), version))
+        if state:
+            start["core_state"] = torch.stack(state, dim=1).cpu().numpy()  # [n, 2, hidden]
+        # reward: received on arriving at obs, unclipped; terminated / truncated: obs is a final obs (the env resets
+        # on its next step, ignoring that action); logits: the behavior policy on obs.
+        rollouts += assembler.add(env_ids, dict(obs=obs, reward=reward, terminated=terminated, truncated=truncated,
+                                                action=action, logits=logits.cpu().numpy()), start)
+        envs.send(action, env_ids)
+        put_start = time.time()
+        while len(rollouts) >= args.batch_size and not stop.is_set():
+            batch = stack_rollouts(rollouts[: args.batch_size], pin_memory=device.type == "cuda")
+            rollouts = rollouts[args.batch_size:]
+            while not stop.is_set():
+                try:
+                    batch_queue.put(batch, timeout=0.5)
+                    break
+                except queue.Full:
+                    pass
+        timings["recv"] += act_start - recv_start
+        timings["act"] += put_start - act_start
+        timings["queue"] += time.time() - put_start
+
+
+def compute_loss(agent, batch, args):
+    """V-trace actor-critic loss on rollouts [T + 1, B, ...].
+
+    Losses are summed over T and B (as in the IMPALA paper and TorchBeast), not averaged:
+    the default learning rate assumes a batch of T x B = 640 steps.
+    """
+    done = batch["terminated"] | batch["truncated"]
+    # After a final obs comes a reset obs; the stored core state is already reset for obs[0].
+    first = torch.cat([torch.zeros_like(done[:1]), done[:-1]])
+    core_state = tuple(batch["core_state"]) if "core_state" in batch else ()
+    logits, values, _ = agent(batch["obs"], first, core_state)  # [T + 1, B, A], [T + 1, B]
+
+    # Move from obs[t] -> reward[t] to action[t] -> reward[t + 1]: step t is (obs[t], action[t], reward[t + 1], obs[t + 1]).
+    actions = batch["action"][:-1]
+    rewards = batch["reward"][1:].clamp(-1, 1) if args.reward_clip else batch["reward"][1:]
+    discounts = (~batch["terminated"][1:]).float() * args.gamma  # a truncated episode bootstraps from its final obs
+    target_log_probs = vtrace.action_log_probs(logits[:-1], actions)
+    behavior_log_probs = vtrace.action_log_probs(batch["logits"][:-1], actions)
+    # On a final obs the env ignores the action and resets: importance weight 0 stops the trace there
+    # (vs = V(final obs)) and gives the step no advantage.
+    log_rhos = (target_log_probs - behavior_log_probs).masked_fill(done[:-1], float("-inf"))
+    vtrace_returns = vtrace.from_importance_weights(
+        log_rhos=log_rhos,
+        discounts=discounts,
+        rewards=rewards,
+        values=values[:-1],
+        bootstrap_value=values[-1],
+        clip_rho_threshold=args.clip_rho_threshold,
+        clip_pg_rho_threshold=args.clip_pg_rho_threshold,
+        lambda_=args.vtrace_lambda,
+    )
+    policy_loss = -(vtrace_returns.pg_advantages * target_log_probs).sum()
+    value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
+    entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
+    loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum()
+    return loss, dict(policy_loss=policy_loss, value_loss=value_loss, entropy=entropy.mean(), loss=loss)
+
+
+def all_reduce_gradients(agent, stop, world_size):
+    """Averages the gradients over the ranks and ORs their stop flags, in one all_reduce. Returns True if any rank
+    stops: then no rank applies this update, so all of them end with the same parameters and update count."""
+    params = list(agent.parameters())
+    grads = [torch.zeros_like(p) if stop else p.grad for p in params]
+    flat = torch.cat([g.flatten() for g in grads] + [torch.tensor([float(stop)], device=params[0].device)])
+    dist.all_reduce(flat)
+    if flat[-1].item() > 0:
+        return True
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p) / world_size)
+        offset += p.numel()
+    return False
+
+
+def evaluate(args, policy, device):
+    """Plays `eval_episodes` full games on one env, carrying the LSTM state; returns their returns."""
+    envs = make_env(args, num_envs=1, batch_size=1, seed=args.seed, num_threads=1)
+    games, returns = GameTracker(1), []
+    core_state = tuple(s.to(device) for s in policy.agent.initial_state(1))
+    envs.async_reset()
+    while len(returns) < args.eval_episodes:
+        obs, reward, terminated, truncated, info = envs.recv()
+        first, ended = games.update(info["env_id"], reward, terminated, truncated, info)
+        returns += [game_return for game_return, _ in ended]
+        action, _, core_state, _ = policy.act(torch.from_numpy(obs).to(device), torch.from_numpy(first).to(device), core_state)
+        envs.send(action.cpu().numpy(), info["env_id"])
+    return np.array(returns[: args.eval_episodes])
+
+
+def check_args(args):
+    """Exits with a one-line error on bad input, before anything is started."""
+    try:
+        spec = envpool.make_spec(args.env_id)
+        supported = isinstance(spec.action_space, gym.spaces.Discrete) and (is_atari(args.env_id) or len(spec.observation_space.shape) == 1)
+    except Exception:
+        supported = False
+    if not supported:
+        sys.exit(f"error: unknown --env-id {args.env_id!r}: use an Atari id as in EnvPool (Pong-v5, Breakout-v5, ...) "
+                 "or a gymnasium classic-control id (CartPole-v1, Acrobot-v1, ...)")
+    for name in ("total_timesteps", "num_envs", "env_batch_size", "num_threads", "unroll_length", "batch_size",
+                 "queue_size", "num_torch_threads", "eval_episodes"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.env_batch_size is None:
+        args.env_batch_size = max(1, args.num_envs // 2)
+    if args.env_batch_size > args.num_envs:
+        sys.exit(f"error: --env-batch-size {args.env_batch_size} is larger than --num-envs {args.num_envs}: "
+                 "each recv() returns at most all the envs")
+    # EnvPool and torch share the cores: on 2 cores, 2 + 2 threads ran Breakout 1.5x faster than 2 + 1.
+    cores = max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    args.num_threads = cores if args.num_threads is None else args.num_threads
+    args.num_torch_threads = cores if args.num_torch_threads is None else args.num_torch_threads
+    for name in ("resume", "eval_checkpoint"):
+        path = getattr(args, name)
+        if path is not None and not os.path.isfile(path):
+            sys.exit(f"error: --{name.replace('_', '-')} {path}: no such file")
+
+
+def load_checkpoint(path, args):
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        trained = checkpoint["args"]
+    except Exception as e:
+        sys.exit(f"error: cannot read checkpoint {path} ({type(e).__name__}): pass a checkpoint.pt written by this script")
+    for name in ("env_id", "network", "use_lstm"):
+        if trained[name] != getattr(args, name):
+            sys.exit(f"error: checkpoint {path} is for --{name.replace('_', '-')} {trained[name]}, not {getattr(args, name)}: "
+                     "pass the same flag as in training")
+    return checkpoint
+
+
+def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
+    """Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint."""
+    checkpoint = dict(model=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=global_step,
+                      num_updates=num_updates, args=vars(args))
+    torch.save(checkpoint, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
+    checkpoint = load_checkpoint(args.resume or args.eval_checkpoint, args) if (args.resume or args.eval_checkpoint) else None
+
+    # TRY NOT TO MODIFY: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; a plain `python` run is rank 0 of 1
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    master_process = rank == 0  # the one that logs and writes checkpoints
+    use_cuda = torch.cuda.is_available() and args.cuda
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if use_cuda else "cpu")
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.num_torch_threads)
+
+    spec = envpool.make_spec(args.env_id)
+    agent = Agent(spec.observation_space.shape, spec.action_space.n, args.network, args.use_lstm)
+    if checkpoint is not None:
+        agent.load_state_dict(checkpoint["model"])
+    agent.to(device)
+
+    if args.eval_checkpoint:
+        returns = evaluate(args, ActingPolicy(agent), device)
+        print(f"{args.env_id}: mean return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} games "
+              f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})")
+        sys.exit(0)
+
+    if world_size > 1:
+        if use_cuda:
+            torch.cuda.set_device(device)
+        # A collective that waits longer than this for a peer raises instead of hanging (a dead peer's closed
+        # connection makes gloo raise at once; torchrun also stops the other ranks of a failed run).
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=5))
+        for tensor in agent.state_dict().values():
+            dist.broadcast(tensor, src=0)  # every rank starts from rank 0's parameters
+    optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
+    global_step, num_updates = 0, 0
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        global_step, num_updates = checkpoint["global_step"], checkpoint["num_updates"]
+        args.run_name = os.path.basename(os.path.dirname(os.path.abspath(args.resume)))
+    if not args.run_name:
+        args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = os.path.join("runs", args.run_name)
+    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
+    writer = None
+    if master_process:
+        writer = SummaryWriter(run_dir, purge_step=global_step + 1 if args.resume else None)  # drop what was logged after the checkpoint
+        writer.add_text(
+            "hyperparameters",
+            "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in {**vars(args), "world_size": world_size}.items()])),
+        )
+
+    def log(tag, value):
+        if writer is not None:
+            writer.add_scalar(tag, value, global_step)
+
+    # TRY NOT TO MODIFY: the env pool and its actor thread
+    envs = make_env(args, args.num_envs, args.env_batch_size, args.seed + rank * args.num_envs, args.num_threads)
+    policy = ActingPolicy(agent, version=num_updates)
+    batch_queue = queue.Queue(maxsize=args.queue_size)
+    episodes = collections.deque()  # (return, length) of finished games
+    timings = collections.Counter()  # actor seconds in recv, inference (+ assembly) and waiting on the full queue
+    stop = threading.Event()
+    learn_lock = threading.Lock()
+    errors, params_in_sync = [], []
+
+    def actor_thread():
+        try:
+            actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device)
+        except Exception as e:
+            errors.append(f"the actor loop failed: {e!r}")
+            traceback.print_exc()
+            stop.set()
+
+    # ALGO LOGIC: the learner
+    T, B = args.unroll_length, args.batch_size
+
+    def get_batch():
+        """A batch on the learner's device; None once `stop` is set."""
+        while not stop.is_set():
+            try:
+                return {key: value.to(device, non_blocking=True) for key, value in batch_queue.get(timeout=0.5).items()}
+            except queue.Empty:
+                pass
+        return None
+
+    def learner_thread():
+        global global_step, num_updates
+        try:
+            # Every rank does the same updates: the step count is the same on all of them, and a stop is agreed on.
+            while global_step < args.total_timesteps:
+                wait_start = time.time()
+                batch = get_batch()
+                with learn_lock:
+                    update_start = time.time()
+                    lr = args.learning_rate * (1.0 - global_step / args.total_timesteps if args.anneal_lr else 1.0)
+                    optimizer.param_groups[0]["lr"] = lr
+                    if batch is not None:
+                        loss, stats = compute_loss(agent, batch, args)
+                        optimizer.zero_grad()
+                        loss.backward()
+                    stopping = stop.is_set()
+                    if world_size > 1:
+                        stopping = all_reduce_gradients(agent, stopping, world_size)
+                    if stopping:
+                        break
+                    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    policy.update(agent, num_updates + 1)
+                    policy_lag = num_updates - batch["policy_version"].float().mean().item()
+                    num_updates += 1
+                    global_step += T * B * world_size
+                    for key, value in stats.items():
+                        log(f"losses/{key}", value.item())
+                    log("charts/learning_rate", lr)
+                    log("stats/policy_lag", policy_lag)
+                    log("stats/batch_wait_time", update_start - wait_start)
+                    log("stats/update_time", time.time() - update_start)
+            if world_size > 1:  # a cheap end-of-run check that the ranks stayed in step
+                flat = nn.utils.parameters_to_vector(agent.parameters()).detach()
+                low, high = flat.clone(), flat.clone()
+                dist.all_reduce(low, op=dist.ReduceOp.MIN)
+                dist.all_reduce(high, op=dist.ReduceOp.MAX)
+                params_in_sync.append(torch.equal(low, high))
+        except Exception as e:
+            errors.append(f"the learner failed: {e!r}")
+            traceback.print_exc()
+            stop.set()
+
+    # TRY NOT TO MODIFY: run until done; log, checkpoint, and save on the way out
+    signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+    actor, learner = threading.Thread(target=actor_thread), threading.Thread(target=learner_thread)
+    start_time, start_step = time.time(), global_step
+    last_log = last_checkpoint = start_time
+    recent_returns = collections.deque(maxlen=20)
+    exit_code = 0
+    try:
+        actor.start()
+        learner.start()
+        while learner.is_alive():
+            time.sleep(0.1)
+            while episodes:
+                episodic_return, episodic_length = episodes.popleft()
+                recent_returns.append(episodic_return)
+                log("charts/episodic_return", episodic_return)
+                log("charts/episodic_length", episodic_length)
+            if errors:
+                raise RuntimeError(errors[0])
+            now = time.time()
+            if now - last_log >= 5.0:
+                sps = int((global_step - start_step) / (now - start_time))
+                log("charts/SPS", sps)
+                log("stats/queue_size", batch_queue.qsize())
+                actor_time = sum(timings.values()) or 1.0
+                for key, seconds in timings.items():
+                    log(f"stats/actor_{key}_fraction", seconds / actor_time)
+                timings.clear()
+                if master_process:
+                    mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
+                    print(f"global_step={global_step} SPS={sps} updates={num_updates} "
+                          f"episodic_return(last {len(recent_returns)})={mean_return}", flush=True)
+                last_log = now
+            if master_process and now - last_checkpoint >= args.checkpoint_interval:
+                with learn_lock:
+                    save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
+                last_checkpoint = now
+        if errors:
+            raise RuntimeError(errors[0])
+        if world_size > 1 and params_in_sync != [True]:
+            raise RuntimeError(f"the parameters differ between ranks at update {num_updates}")
+    except KeyboardInterrupt:
+        print(f"interrupted at global_step={global_step}", flush=True)
+    except RuntimeError as e:
+        print(f"error: {e}; stopping the run", file=sys.stderr, flush=True)
+        exit_code = 1
+    finally:
+        stop.set()
+        learner.join()
+        actor.join()
+        envs.close()
+        if master_process:
+            save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
+            in_sync = f", parameters identical on all {world_size} ranks" if params_in_sync == [True] else ""
+            print(f"saved {checkpoint_path} at global_step={global_step}{in_sync} "
+                  f"(mean of the last {len(recent_returns)} episodic returns: "
+                  f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f})", flush=True)
+            writer.close()
+        if world_size > 1:
+            dist.destroy_process_group()
+    sys.exit(exit_code)
