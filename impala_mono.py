@@ -320,19 +320,19 @@ def create_buffers(args, obs_space, num_actions, core_state):
     return {key: torch.zeros(args.num_buffers, *shape, dtype=dtype).share_memory_() for key, (shape, dtype) in specs.items()}
 
 
-def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_queue, policy_version):
+def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop):
     """Steps `num_envs_per_actor` envs with the shared CPU `agent`, filling one buffer slot per env per rollout."""
     try:
         torch.set_num_threads(1)
         parent = os.getppid()
 
-        def get_free_index():  # None asks the actor to stop; so does the death of the process that started it
-            while True:
+        def get_free_index():  # None once the run stops or the process that started the actor has died
+            while not stop.is_set() and os.getppid() == parent:
                 try:
                     return free_queue.get(timeout=1.0)
                 except queue.Empty:
-                    if os.getppid() != parent:
-                        return None
+                    pass
+            return None
 
         K, T = args.num_envs_per_actor, args.unroll_length
         seed = args.seed + actor_index * K
@@ -437,7 +437,8 @@ def evaluate(args, agent):
     free_queue, full_queue, episode_queue = queue.Queue(), queue.Queue(), queue.Queue()
     for index in range(args.num_buffers):
         free_queue.put(index)
-    thread = threading.Thread(target=actor, args=(0, args, agent, buffers, free_queue, full_queue, episode_queue, mp.Value("l", 0)), daemon=True)
+    stop = threading.Event()
+    thread = threading.Thread(target=actor, args=(0, args, agent, buffers, free_queue, full_queue, episode_queue, mp.Value("l", 0), stop))
     thread.start()
     returns = []
     while len(returns) < args.eval_episodes:
@@ -448,7 +449,8 @@ def evaluate(args, agent):
                 sys.exit("error: evaluation failed (see the actor's error above)")
         while not full_queue.empty():
             free_queue.put(full_queue.get())
-    free_queue.put(None)
+    stop.set()
+    thread.join()
     return np.array(returns)
 
 
@@ -545,16 +547,17 @@ if __name__ == "__main__":
     ctx = mp.get_context("fork")
     free_queue, full_queue, episode_queue = ctx.Queue(), ctx.Queue(), ctx.Queue()
     policy_version = ctx.Value("l", num_updates)
+    stop = ctx.Event()  # ends the actors and the learner threads
     for index in range(args.num_buffers):
         free_queue.put(index)
     actors = []
     for actor_index in range(args.num_actors):
         process = ctx.Process(
             target=actor,
-            args=(actor_index, args, actor_agent, buffers, free_queue, full_queue, episode_queue, policy_version),
+            args=(actor_index, args, actor_agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop),
             daemon=True,
         )
-        # The main process shuts actors down (None in the free queue): Ctrl-C and SIGTERM go to it alone.
+        # The main process shuts the actors down (`stop`): Ctrl-C and SIGTERM go to it alone.
         sigint, sigterm = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
         process.start()
         signal.signal(signal.SIGINT, sigint), signal.signal(signal.SIGTERM, sigterm)
@@ -562,7 +565,6 @@ if __name__ == "__main__":
 
     # ALGO LOGIC: the learner
     T, B = args.unroll_length, args.batch_size
-    stop = threading.Event()
     batch_lock, learn_lock = threading.Lock(), threading.Lock()
     learner_errors = []
 
@@ -617,7 +619,11 @@ if __name__ == "__main__":
             stop.set()
 
     # TRY NOT TO MODIFY: run until done, watching the actors; save on the way out
-    signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+    def interrupt(signum, frame):  # set for both: a shell's background job starts with SIGINT ignored
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     learners = [threading.Thread(target=learner_thread) for _ in range(args.num_learner_threads)]
     start_time, start_step = time.time(), global_step
     last_log = last_checkpoint = start_time
@@ -657,11 +663,11 @@ if __name__ == "__main__":
         print(f"error: {e}; stopping the run", file=sys.stderr, flush=True)
         exit_code = 1
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop.set()
         for thread in learners:
             thread.join()
-        for _ in actors:
-            free_queue.put(None)
         for process in actors:
             process.join(timeout=5)
             if process.is_alive():

@@ -602,7 +602,11 @@ if __name__ == "__main__":
             stop.set()
 
     # TRY NOT TO MODIFY: run until done; log, checkpoint, and save on the way out
-    signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+    def interrupt(signum, frame):  # set for both: a shell's background job starts with SIGINT ignored
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     actor, learner = threading.Thread(target=actor_thread), threading.Thread(target=learner_thread)
     start_time, start_step = time.time(), global_step
     last_log = last_checkpoint = start_time
@@ -648,6 +652,8 @@ if __name__ == "__main__":
         print(f"error: {e}; stopping the run", file=sys.stderr, flush=True)
         exit_code = 1
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop.set()
         learner.join()
         actor.join()
