@@ -197,15 +197,14 @@ def is_atari(env_id):
     return f"ALE/{env_id}" in gym.registry
 
 
-def make_env(args, seed):
-    """An env that resets itself on the step after an episode ends, ignoring that step's action (as EnvPool does)."""
+def make_env(args):
+    """An env that resets itself on the step after an episode ends, ignoring that step's action (as EnvPool does).
+    Seed it with its first `reset(seed=...)`."""
     if is_atari(args.env_id):
         env = AtariEnv(args.env_id, args.episodic_life, args.repeat_action_probability)
     else:
         env = gym.make(args.env_id)
-    env = gym.wrappers.Autoreset(env)
-    env.reset(seed=seed)
-    return env
+    return gym.wrappers.Autoreset(env)
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -337,7 +336,7 @@ def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_que
         K, T = args.num_envs_per_actor, args.unroll_length
         seed = args.seed + actor_index * K
         torch.manual_seed(seed)
-        envs = [make_env(args, seed + k) for k in range(K)]
+        envs = [make_env(args) for _ in range(K)]
         obs = np.stack([env.reset(seed=seed + k)[0] for k, env in enumerate(envs)])
         # The current step of each env; the last step of one rollout is the first of the next.
         step = dict(obs=torch.from_numpy(obs), reward=torch.zeros(K), terminated=torch.zeros(K, dtype=torch.bool),
@@ -429,11 +428,10 @@ def compute_loss(agent, batch, args):
     return loss, dict(policy_loss=policy_loss, value_loss=value_loss, entropy=entropy.mean(), loss=loss)
 
 
-def evaluate(args, agent):
+def evaluate(args, agent, obs_space, num_actions):
     """Plays `eval_episodes` full games with one actor in this process; returns their returns."""
     args.num_envs_per_actor, args.num_buffers = 1, 2
-    env = make_env(args, args.seed)
-    buffers = create_buffers(args, env.observation_space, env.action_space.n, agent.initial_state(1))
+    buffers = create_buffers(args, obs_space, num_actions, agent.initial_state(1))
     free_queue, full_queue, episode_queue = queue.Queue(), queue.Queue(), queue.Queue()
     for index in range(args.num_buffers):
         free_queue.put(index)
@@ -509,7 +507,7 @@ if __name__ == "__main__":
     torch.set_num_threads(args.num_torch_threads)
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
-    env = make_env(args, args.seed)
+    env = make_env(args)
     obs_space, num_actions = env.observation_space, env.action_space.n
     env.close()
     agent = Agent(obs_space.shape, num_actions, args.network, args.use_lstm)
@@ -517,7 +515,7 @@ if __name__ == "__main__":
         agent.load_state_dict(checkpoint["model"])
 
     if args.eval_checkpoint:
-        returns = evaluate(args, agent)
+        returns = evaluate(args, agent, obs_space, num_actions)
         print(f"{args.env_id}: mean return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} games "
               f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})")
         sys.exit(0)

@@ -3,9 +3,11 @@
     python benchmarks/throughput.py --env-ids Breakout-v5 Pong-v5 CartPole-v1 --seconds 60
 
 Prints one table per env: raw gymnasium/ale-py (one env, random actions), raw EnvPool (random
-actions, async, at poly's pool settings), impala_mono.py and impala_poly.py with their default
-flags (plus --env-id), and each one's ratio to raw EnvPool. Scripts are timed from their own
-progress lines after a warm-up, so start-up does not count.
+actions, async, at poly's pool settings), the bare compute of the default network (inference of
+every step plus the learner's update, no env), the ceiling the two allow when they share the
+cores, impala_mono.py and impala_poly.py with their default flags (poly with --num-envs), and
+each one's ratio to raw EnvPool. Scripts are timed from their own progress lines after a warm-up,
+so start-up does not count.
 """
 
 import argparse
@@ -53,6 +55,40 @@ def raw_envpool(env_id, seconds, num_envs, batch_size, num_threads):
         obs, _, _, _, info = pool.recv()
         pool.send(rng.integers(pool.action_space.n, size=len(info["env_id"])), info["env_id"])
         steps += len(info["env_id"])
+    sps = steps / (time.time() - start)
+    pool.close()  # its threads must not compete with the scripts measured next
+    return sps
+
+
+def bare_compute(env_id, seconds, env_batch_size, num_threads):
+    """Steps/s of the default network's compute alone: inference of every step (batches of `env_batch_size`)
+    plus the learner's forward, backward and RMSProp step on T x B = 20 x 32 steps, with `num_threads` torch threads."""
+    sys.path.insert(0, ROOT)
+    import torch
+
+    from impala_poly import Agent, Args, compute_loss
+
+    torch.set_num_threads(num_threads)
+    spec = envpool.make_spec(env_id)
+    args, obs_shape, num_actions = Args(env_id=env_id), spec.observation_space.shape, spec.action_space.n
+    T, B = args.unroll_length, args.batch_size
+    agent = Agent(obs_shape, num_actions)
+    optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
+    dtype = torch.uint8 if len(obs_shape) == 3 else torch.float32
+    batch = dict(obs=torch.zeros(T + 1, B, *obs_shape, dtype=dtype), reward=torch.zeros(T + 1, B),
+                 terminated=torch.zeros(T + 1, B, dtype=torch.bool), truncated=torch.zeros(T + 1, B, dtype=torch.bool),
+                 action=torch.zeros(T + 1, B, dtype=torch.int64), logits=torch.zeros(T + 1, B, num_actions))
+    obs, first = torch.zeros(1, env_batch_size, *obs_shape, dtype=dtype), torch.zeros(1, env_batch_size, dtype=torch.bool)
+    steps, start = 0, time.time()
+    while time.time() - start < seconds:
+        with torch.no_grad():
+            for _ in range(T * B // env_batch_size):
+                agent(obs, first, ())
+        loss, _ = compute_loss(agent, batch, args)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        steps += T * B
     return steps / (time.time() - start)
 
 
@@ -89,11 +125,16 @@ if __name__ == "__main__":
         rows = [("gymnasium, 1 env, random actions", raw_gymnasium(env_id, args.seconds))]
         envpool_sps = raw_envpool(env_id, args.seconds, args.num_envs, args.num_envs // 2, os.cpu_count())
         rows.append((f"EnvPool async, {args.num_envs} envs, random actions", envpool_sps))
+        compute_sps = bare_compute(env_id, args.seconds, args.num_envs // 2, os.cpu_count())
+        rows.append(("bare compute: inference + learner, no env", compute_sps))
+        rows.append(("ceiling: 1 / (1 / EnvPool + 1 / compute)", 1 / (1 / envpool_sps + 1 / compute_sps)))
         for script in args.scripts:
             if os.path.exists(os.path.join(ROOT, script)):
                 extra = ["--num-envs", args.num_envs] if script == "impala_poly.py" else []
                 rows.append((f"{script}, default flags", script_sps(script, env_id, args.seconds, args.warmup, map(str, extra))))
+        ceiling = rows[3][1]
         print(f"\n{env_id} ({os.cpu_count()} cores)")
-        print(f"| {'what':<45} | {'steps/s':>8} | {'/ EnvPool':>9} |\n|{'-' * 47}|{'-' * 10}|{'-' * 11}|")
+        print(f"| {'what':<45} | {'steps/s':>8} | {'/ EnvPool':>9} | {'/ ceiling':>9} |")
+        print(f"|{'-' * 47}|{'-' * 9}:|{'-' * 10}:|{'-' * 10}:|")
         for name, sps in rows:
-            print(f"| {name:<45} | {sps:>8.0f} | {sps / envpool_sps:>9.2f} |", flush=True)
+            print(f"| {name:<45} | {sps:>8.0f} | {sps / envpool_sps:>9.2f} | {sps / ceiling:>9.2f} |", flush=True)
