@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,3 +36,18 @@ def error_line(result):
     assert "Traceback" not in result.stderr, result.stderr
     assert len(lines) == 1, result.stderr
     return lines[0]
+
+
+def last_returns(cwd, n=20):
+    """The last `n` full-game returns logged by the one run in `cwd`."""
+    returns = [value for _, value in scalars(run_dirs(cwd)[0], "charts/episodic_return")]
+    assert len(returns) >= n, returns
+    return returns[-n:]
+
+
+def check_run(run_dir, updates, steps_per_update):
+    """The checkpoint and the loss curve of a run that made `updates` updates of `steps_per_update` steps."""
+    checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
+    assert (checkpoint["global_step"], checkpoint["num_updates"]) == (steps_per_update * updates, updates)
+    assert [step for step, _ in scalars(run_dir, "losses/loss")] == [steps_per_update * (i + 1) for i in range(updates)]
+    assert all(np.isfinite(value) for _, value in scalars(run_dir, "losses/loss"))
