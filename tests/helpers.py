@@ -51,3 +51,18 @@ def check_run(run_dir, updates, steps_per_update):
     assert (checkpoint["global_step"], checkpoint["num_updates"]) == (steps_per_update * updates, updates)
     assert [step for step, _ in scalars(run_dir, "losses/loss")] == [steps_per_update * (i + 1) for i in range(updates)]
     assert all(np.isfinite(value) for _, value in scalars(run_dir, "losses/loss"))
+
+
+def train_then_eval(script, env_id, flags, cwd, steps_per_update, updates):
+    """Trains for `updates` updates, checks the run, then plays one full game in eval mode from its checkpoint.
+    Returns that game's return."""
+    result = run(script, "--env-id", env_id, "--total-timesteps", steps_per_update * updates, *flags, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(cwd)
+    check_run(run_dir, updates, steps_per_update)
+    result = run(script, "--env-id", env_id, *flags, "--eval-checkpoint", os.path.join(run_dir, "checkpoint.pt"),
+                 "--eval-episodes", 1, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"{env_id}: mean return "), line
+    return float(line.split()[3])

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, check_run, error_line, last_returns, run, run_dirs, scalars
+from helpers import ROOT, check_run, error_line, last_returns, run, run_dirs, scalars, train_then_eval
 from impala_poly import ActingPolicy, Agent, GameTracker, RolloutAssembler, actor_loop, make_env
 
 SCRIPT = "impala_poly.py"
@@ -149,27 +149,17 @@ def test_cartpole_learns(tmp_path):
     result = run(SCRIPT, "--env-id", "CartPole-v1", "--total-timesteps", 4_000_000, "--num-torch-threads", 1,
                  "--num-threads", 1, "--seed", 1, cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert np.mean(last_returns(tmp_path)) >= 400, last_returns(tmp_path)
+    returns = last_returns(tmp_path)
+    assert np.mean(returns) >= 400, returns
 
 
 @pytest.mark.parametrize("lstm", [False, True])
 def test_atari_updates_then_eval(tmp_path, lstm):
     """A few updates on Breakout-v5, then eval mode plays a full game from the saved checkpoint."""
-    flags = ["--use-lstm"] if lstm else []
-    T, B, updates = 10, 2, 3
-    result = run(SCRIPT, "--env-id", "Breakout-v5", "--total-timesteps", T * B * updates, *SMALL, *flags, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir,) = run_dirs(tmp_path)
-    check_run(run_dir, updates, T * B)
-
-    result = run(SCRIPT, "--env-id", "Breakout-v5", *flags, "--eval-checkpoint", os.path.join(run_dir, "checkpoint.pt"),
-                 "--eval-episodes", 1, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = result.stdout.strip().splitlines()[-1]
-    assert line.startswith("Breakout-v5: mean return "), line
-    game_return = float(line.split()[3])
+    game_return = train_then_eval(SCRIPT, "Breakout-v5", [*SMALL, *(["--use-lstm"] if lstm else [])], tmp_path,
+                                  steps_per_update=10 * 2, updates=3)
     # A barely trained agent breaks a few bricks in its five lives.
-    assert game_return == int(game_return) and 0 <= game_return <= 30, line
+    assert game_return == int(game_return) and 0 <= game_return <= 30, game_return
 
 
 TORCHRUN_FLAGS = ["--env-id", "CartPole-v1", "--num-envs", 4, "--env-batch-size", 2, "--num-threads", 1,
