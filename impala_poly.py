@@ -159,10 +159,10 @@ class ConvSequence(nn.Module):
         return self.res1(self.res0(self.pool(self.conv(x))))
 
 
-def mlp(in_features, out_features, std, hidden=64):
+def mlp(in_features, out_features, std, hidden=256):
     return nn.Sequential(
-        layer_init(nn.Linear(in_features, hidden)), nn.Tanh(),
-        layer_init(nn.Linear(hidden, hidden)), nn.Tanh(),
+        layer_init(nn.Linear(in_features, hidden)), nn.ReLU(),
+        layer_init(nn.Linear(hidden, hidden)), nn.ReLU(),
         layer_init(nn.Linear(hidden, out_features), std=std),
     )
 
@@ -170,8 +170,10 @@ def mlp(in_features, out_features, std, hidden=64):
 class Agent(nn.Module):
     """Torso (Nature CNN or IMPALA ResNet for frames), optional LSTM core, policy and baseline heads.
 
-    Vector observations get separate policy and value MLPs (as CleanRL's classic-control agent): with a
-    shared torso, the large value-loss gradients of long episodes drown the policy gradient.
+    Vector observations get separate policy and value MLPs: with a shared torso, the large value-loss gradients
+    of long episodes drown the policy gradient. They are 256 ReLU units wide: with CleanRL's 64 tanh units the
+    value error on CartPole stayed large (value targets near 100), and with the IMPALA defaults 3 of 5 runs
+    fell back from ~490 to ~200; at 256 ReLU all 5 held ~490 from 0.6M steps on.
     """
 
     def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False):

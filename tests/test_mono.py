@@ -47,12 +47,10 @@ def test_atari_env_matches_envpool(game):
 
 @pytest.mark.learning
 def test_cartpole_learns(tmp_path):
-    """Default flags solve CartPole-v1: mean of the last 20 full-game returns >= 400 (about 3.5 minutes here).
-
-    Not yet reliable, so not in the default run: seed 1 ended at 421 and 479 in two runs, but seeds 2 and 3
-    ended at 189 and 369, after reaching ~300 and falling back (runs are asynchronous, so a seed does not fix them).
-    """
-    result = run(SCRIPT, "--env-id", "CartPole-v1", "--total-timesteps", 3_000_000, "--seed", 1, cwd=tmp_path, timeout=900)
+    """Default flags solve CartPole-v1: mean of the last 20 full-game returns >= 400 after 1.5M steps (about 2 minutes
+    here). Seeds 1, 2 and 3 ended at 499, 494 and 450, each above 400 from about 0.5M steps on (runs are asynchronous,
+    so a seed does not fix their course)."""
+    result = run(SCRIPT, "--env-id", "CartPole-v1", "--total-timesteps", 1_500_000, "--seed", 1, cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     returns = last_returns(tmp_path)
     assert np.mean(returns) >= 400, returns

@@ -1,0 +1,174 @@
+"""Learning curves from the scripts' tensorboard runs: PNGs, the CSV they were drawn from, and a results table.
+
+    python benchmarks/plot_curves.py runs --out results --target Pong-v5=18   # read runs/, write CSV, PNGs, table
+    python benchmarks/plot_curves.py --csv results/curves.csv --out results   # redraw from the CSV alone
+
+Run folders are named `{env_id}__{script}__{seed}__{time}` (as both scripts name them). The runs of one env and
+script are drawn together: each seed's running mean of the last `--window` full-game returns, then the mean over
+seeds with the min-max band, against environment frames (an Atari step is `frame_skip` = 4 frames) and against
+hours of training. A resumed run writes one events file per session; the time between sessions is not counted.
+"""
+
+import argparse
+import csv
+import glob
+import os
+from collections import defaultdict
+
+import envpool
+import numpy as np
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+FIELDS = ["env_id", "script", "seed", "global_step", "hours", "episodic_return"]
+
+
+def frames_per_step(env_id):
+    return getattr(envpool.make_spec(env_id).config, "frame_skip", 1)
+
+
+def read_run(run_dir):
+    """[(global_step, hours of training, return)] of one run. Steps come from the folder's events as tensorboard
+    shows them (a resume purges what was logged after its checkpoint); time counts only within each session."""
+    sessions = []  # (first, last) wall time of each events file
+    for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))):
+        accumulator = EventAccumulator(path, size_guidance={"scalars": 0}).Reload()
+        wall_times = [e.wall_time for tag in accumulator.Tags()["scalars"] for e in accumulator.Scalars(tag)]
+        if wall_times:
+            sessions.append((min(wall_times), max(wall_times)))
+    sessions.sort()
+    starts = np.array([first for first, _ in sessions])
+    offsets = np.cumsum([0.0] + [last - first for first, last in sessions[:-1]])  # seconds trained before each session
+    rows = []
+    for event in EventAccumulator(run_dir, size_guidance={"scalars": 0}).Reload().Scalars("charts/episodic_return"):
+        session = np.searchsorted(starts, event.wall_time, side="right") - 1
+        rows.append((event.step, (offsets[session] + event.wall_time - starts[session]) / 3600, event.value))
+    return rows
+
+
+def read_runs(runs_dir):
+    """CSV rows of every run under `runs_dir`."""
+    rows = []
+    for run_dir in sorted(glob.glob(os.path.join(runs_dir, "*__*__*__*"))):
+        env_id, script, seed, _ = os.path.basename(run_dir).split("__")
+        rows += [dict(env_id=env_id, script=script, seed=int(seed), global_step=step, hours=hours, episodic_return=ret)
+                 for step, hours, ret in read_run(run_dir)]
+    return rows
+
+
+def running_mean(values, window):
+    """Mean of the last `window` values (fewer at the start) at each index."""
+    sums = np.cumsum(np.insert(np.asarray(values, dtype=np.float64), 0, 0.0))
+    index = np.arange(1, len(values) + 1)
+    return (sums[index] - sums[np.maximum(index - window, 0)]) / np.minimum(index, window)
+
+
+def group(rows):
+    """{(env_id, script): {seed: (global_step, hours, return) arrays in step order}}."""
+    groups = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        groups[row["env_id"], row["script"]][int(row["seed"])].append(
+            (int(row["global_step"]), float(row["hours"]), float(row["episodic_return"])))
+    return {key: {seed: np.array(sorted(points)).T for seed, points in seeds.items()} for key, seeds in groups.items()}
+
+
+def summarize(rows, window, targets):
+    """One table row per run: frames, hours, mean of the last `window` returns, and the frames and hours at which the
+    mean of `window` returns first reached the env's target (`targets`: {env_id: return})."""
+    table = []
+    for (env_id, script), seeds in sorted(group(rows).items()):
+        for seed, (steps, hours, returns) in sorted(seeds.items()):
+            frames = steps * frames_per_step(env_id)
+            means = running_mean(returns, window)
+            reached = np.nonzero((np.arange(len(returns)) >= window - 1) & (means >= targets.get(env_id, np.inf)))[0]
+            table.append(dict(env_id=env_id, script=script, seed=seed, frames=int(frames[-1]), hours=hours[-1],
+                              episodes=len(returns), final=means[-1],
+                              target=targets.get(env_id), frames_to_target=int(frames[reached[0]]) if len(reached) else None,
+                              hours_to_target=hours[reached[0]] if len(reached) else None))
+    return table
+
+
+def count(frames):
+    return f"{frames / 1e6:.1f}M" if frames >= 100_000 else str(frames)
+
+
+def markdown(table, window):
+    lines = [f"| env | script | seed | frames | hours | episodes | mean of last {window} | target | frames to target | hours to target |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in table:
+        reached = (count(r["frames_to_target"]), f"{r['hours_to_target']:.2f}") if r["frames_to_target"] is not None else ("-", "-")
+        target = "-" if r["target"] is None else f"{r['target']:g}"
+        lines.append(f"| {r['env_id']} | {r['script']} | {r['seed']} | {count(r['frames'])} | {r['hours']:.2f} | "
+                     f"{r['episodes']} | {r['final']:.1f} | {target} | {reached[0]} | {reached[1]} |")
+    return "\n".join(lines)
+
+
+def plot(rows, window, out):
+    """One PNG per env, returns against frames (left) and hours (right), one line and band per script."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    by_env = defaultdict(dict)
+    for (env_id, script), seeds in group(rows).items():
+        by_env[env_id][script] = seeds
+    for env_id, scripts in sorted(by_env.items()):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        for script, seeds in sorted(scripts.items()):
+            for ax, column, scale in [(axes[0], 0, frames_per_step(env_id)), (axes[1], 1, 1)]:
+                # Each seed's running mean on a common x grid up to where the shortest seed ends.
+                curves = [(points[column] * scale, running_mean(points[2], window)) for points in seeds.values()]
+                grid = np.linspace(0, min(x[-1] for x, _ in curves), 200)
+                ys = np.array([np.interp(grid, x, y, left=np.nan) for x, y in curves])
+                line, = ax.plot(grid, np.nanmean(ys, axis=0), label=f"{script} ({len(curves)} seed{'s' * (len(curves) > 1)})")
+                if len(curves) > 1:
+                    ax.fill_between(grid, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=line.get_color(), alpha=0.2)
+        axes[0].set_xlabel("environment frames" if frames_per_step(env_id) > 1 else "environment steps")
+        axes[1].set_xlabel("hours of training")
+        axes[0].set_ylabel(f"episodic return (mean of last {window})")
+        axes[0].legend()
+        fig.suptitle(env_id)
+        fig.tight_layout()
+        paths.append(os.path.join(out, f"{env_id}.png"))
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="?", default="runs", help="folder of run folders (ignored with --csv)")
+    parser.add_argument("--csv", help="redraw from this CSV instead of reading runs")
+    parser.add_argument("--out", default="results", help="folder for curves.csv, the PNGs and results.md")
+    parser.add_argument("--window", type=int, default=100, help="episodes in the running mean")
+    parser.add_argument("--target", action="append", default=[], metavar="ENV_ID=RETURN",
+                        help="report frames and hours until the running mean first reaches RETURN (repeatable)")
+    args = parser.parse_args()
+    targets = {}
+    for target in args.target:
+        env_id, _, value = target.partition("=")
+        try:
+            targets[env_id] = float(value)
+        except ValueError:
+            parser.exit(2, f"error: --target {target!r} is not ENV_ID=RETURN (e.g. Pong-v5=18)\n")
+    if args.csv:
+        with open(args.csv) as f:
+            rows = list(csv.DictReader(f))
+    else:
+        rows = read_runs(args.runs)
+    if not rows:
+        parser.exit(1, f"error: no episodic returns in {args.csv or args.runs!r}: expected run folders named "
+                       "{env_id}__{script}__{seed}__{time} with tensorboard events\n")
+    os.makedirs(args.out, exist_ok=True)
+    if not args.csv:
+        with open(os.path.join(args.out, "curves.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+    table = markdown(summarize(rows, args.window, targets), args.window)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    for path in plot(rows, args.window, args.out):
+        print("wrote", path)
