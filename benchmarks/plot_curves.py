@@ -91,13 +91,17 @@ def count(frames):
     return f"{frames / 1e6:.1f}M" if frames >= 100_000 else str(frames)
 
 
+def duration(hours):
+    return f"{hours:.2f} h" if hours >= 1 else f"{hours * 60:.1f} min"
+
+
 def markdown(table, window):
-    lines = [f"| env | script | seed | frames | hours | episodes | mean of last {window} | target | frames to target | hours to target |",
+    lines = [f"| env | script | seed | frames | wall time | episodes | mean of last {window} | target | frames to target | time to target |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in table:
-        reached = (count(r["frames_to_target"]), f"{r['hours_to_target']:.2f}") if r["frames_to_target"] is not None else ("-", "-")
+        reached = (count(r["frames_to_target"]), duration(r["hours_to_target"])) if r["frames_to_target"] is not None else ("-", "-")
         target = "-" if r["target"] is None else f"{r['target']:g}"
-        lines.append(f"| {r['env_id']} | {r['script']} | {r['seed']} | {count(r['frames'])} | {r['hours']:.2f} | "
+        lines.append(f"| {r['env_id']} | {r['script']} | {r['seed']} | {count(r['frames'])} | {duration(r['hours'])} | "
                      f"{r['episodes']} | {r['final']:.1f} | {target} | {reached[0]} | {reached[1]} |")
     return "\n".join(lines)
 
@@ -115,17 +119,18 @@ def plot(rows, window, out):
         by_env[env_id][script] = seeds
     for env_id, scripts in sorted(by_env.items()):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        in_minutes = max(points[1][-1] for seeds in scripts.values() for points in seeds.values()) < 1
         for script, seeds in sorted(scripts.items()):
-            for ax, column, scale in [(axes[0], 0, frames_per_step(env_id)), (axes[1], 1, 1)]:
-                # Each seed's running mean on a common x grid up to where the shortest seed ends.
+            for ax, column, scale in [(axes[0], 0, frames_per_step(env_id)), (axes[1], 1, 60 if in_minutes else 1)]:
+                # Each seed's running mean on a common x grid, from where every seed has a game to where the first ends.
                 curves = [(points[column] * scale, running_mean(points[2], window)) for points in seeds.values()]
-                grid = np.linspace(0, min(x[-1] for x, _ in curves), 200)
-                ys = np.array([np.interp(grid, x, y, left=np.nan) for x, y in curves])
-                line, = ax.plot(grid, np.nanmean(ys, axis=0), label=f"{script} ({len(curves)} seed{'s' * (len(curves) > 1)})")
+                grid = np.linspace(max(x[0] for x, _ in curves), min(x[-1] for x, _ in curves), 200)
+                ys = np.array([np.interp(grid, x, y) for x, y in curves])
+                line, = ax.plot(grid, ys.mean(axis=0), label=f"{script} ({len(curves)} seed{'s' * (len(curves) > 1)})")
                 if len(curves) > 1:
-                    ax.fill_between(grid, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=line.get_color(), alpha=0.2)
+                    ax.fill_between(grid, ys.min(axis=0), ys.max(axis=0), color=line.get_color(), alpha=0.2)
         axes[0].set_xlabel("environment frames" if frames_per_step(env_id) > 1 else "environment steps")
-        axes[1].set_xlabel("hours of training")
+        axes[1].set_xlabel(f"{'minutes' if in_minutes else 'hours'} of training")
         axes[0].set_ylabel(f"episodic return (mean of last {window})")
         axes[0].legend()
         fig.suptitle(env_id)

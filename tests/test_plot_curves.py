@@ -58,9 +58,9 @@ def test_csv_table_and_redraw(runs):
     # Means of 2: CartPole seed 1 [1, 1.5, 2.5, 3.5, 4.5] first >= 3 at step 40; seed 2 [10, 15, 25] at step 20
     # (the first game alone is not a full window); Pong [-21, -20.5, -15, -7.5] first >= -12 at step 450 = 1800 frames.
     assert table[2:] == [
-        "| CartPole-v1 | impala_mono | 1 | 50 | 0.01 | 5 | 4.5 | 3 | 40 | 0.01 |",
-        "| CartPole-v1 | impala_mono | 2 | 30 | 0.00 | 3 | 25.0 | 3 | 20 | 0.00 |",
-        "| Pong-v5 | impala_poly | 1 | 1800 | 0.40 | 4 | -7.5 | -12 | 1800 | 0.40 |",
+        "| CartPole-v1 | impala_mono | 1 | 50 | 0.5 min | 5 | 4.5 | 3 | 40 | 0.4 min |",
+        "| CartPole-v1 | impala_mono | 2 | 30 | 0.1 min | 3 | 25.0 | 3 | 20 | 0.1 min |",
+        "| Pong-v5 | impala_poly | 1 | 1800 | 24.0 min | 4 | -7.5 | -12 | 1800 | 24.0 min |",
     ]
     assert sorted(os.listdir(runs / "results")) == ["CartPole-v1.png", "Pong-v5.png", "curves.csv", "results.md"]
 
