@@ -38,8 +38,11 @@ def read_run(run_dir):
     sessions.sort()
     starts = np.array([first for first, _ in sessions])
     offsets = np.cumsum([0.0] + [last - first for first, last in sessions[:-1]])  # seconds trained before each session
+    accumulator = EventAccumulator(run_dir, size_guidance={"scalars": 0}).Reload()
+    if "charts/episodic_return" not in accumulator.Tags()["scalars"]:  # stopped before its first full game
+        return []
     rows = []
-    for event in EventAccumulator(run_dir, size_guidance={"scalars": 0}).Reload().Scalars("charts/episodic_return"):
+    for event in accumulator.Scalars("charts/episodic_return"):
         session = np.searchsorted(starts, event.wall_time, side="right") - 1
         rows.append((event.step, (offsets[session] + event.wall_time - starts[session]) / 3600, event.value))
     return rows

@@ -32,6 +32,9 @@ def runs(tmp_path):
     pong = str(tmp_path / "runs" / "Pong-v5__impala_poly__1__100")
     log_returns(pong, [(100, 1000.0, -21), (200, 1360.0, -20), (300, 1720.0, -19), (400, 2080.0, -18)])
     log_returns(pong, [(350, 90000.0, -10), (450, 90360.0, -5)], purge_step=251)
+    # A run stopped before its first full game has nothing to draw.
+    with SummaryWriter(str(tmp_path / "runs" / "Breakout-v5__impala_poly__1__100")) as writer:
+        writer.add_scalar("charts/SPS", 900, 10)
     # CartPole, two seeds.
     log_returns(str(tmp_path / "runs" / "CartPole-v1__impala_mono__1__100"), [(10 * i, 7.2 * i, i) for i in range(1, 6)])
     log_returns(str(tmp_path / "runs" / "CartPole-v1__impala_mono__2__100"), [(10 * i, 3.6 * i, 10 * i) for i in range(1, 4)])
