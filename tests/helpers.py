@@ -38,9 +38,12 @@ def error_line(result):
     return lines[0]
 
 
-def last_returns(cwd, n=20):
-    """The last `n` full-game returns logged by the one run in `cwd`."""
-    returns = [value for _, value in scalars(run_dirs(cwd)[0], "charts/episodic_return")]
+def train_returns(script, env_id, total_timesteps, flags, cwd, n=20):
+    """Trains `script` on `env_id` for `total_timesteps` steps; returns the last `n` full-game returns it logged."""
+    result = run(script, "--env-id", env_id, "--total-timesteps", total_timesteps, *flags, cwd=cwd, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(cwd)
+    returns = [value for _, value in scalars(run_dir, "charts/episodic_return")]
     assert len(returns) >= n, returns
     return returns[-n:]
 
