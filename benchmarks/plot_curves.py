@@ -126,7 +126,7 @@ def plot(rows, window, out):
         frame_skip = frames_per_step(env_id)
         in_minutes = max(points[1][-1] for seeds in scripts.values() for points in seeds.values()) < 1
         for script, seeds in sorted(scripts.items()):
-            for ax, column, scale in [(axes[0], 0, frame_skip), (axes[1], 1, 60 if in_minutes else 1)]:
+            for ax, column, scale in [(axes[0], 0, frame_skip / 1e6), (axes[1], 1, 60 if in_minutes else 1)]:
                 # Each seed's running mean on a common x grid, from where every seed has a game to where the first ends.
                 curves = [(points[column] * scale, running_mean(points[2], window)) for points in seeds.values()]
                 grid = np.linspace(max(x[0] for x, _ in curves), min(x[-1] for x, _ in curves), 200)
@@ -134,7 +134,7 @@ def plot(rows, window, out):
                 line, = ax.plot(grid, ys.mean(axis=0), label=f"{script} ({len(curves)} seed{'s' * (len(curves) > 1)})")
                 if len(curves) > 1:
                     ax.fill_between(grid, ys.min(axis=0), ys.max(axis=0), color=line.get_color(), alpha=0.2)
-        axes[0].set_xlabel("environment frames" if frame_skip > 1 else "environment steps")
+        axes[0].set_xlabel(f"environment {'frames' if frame_skip > 1 else 'steps'} (millions)")
         axes[1].set_xlabel(f"{'minutes' if in_minutes else 'hours'} of training")
         axes[0].set_ylabel(f"episodic return (mean of last {window})")
         axes[0].legend()
