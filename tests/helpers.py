@@ -38,11 +38,17 @@ def error_line(result):
     return lines[0]
 
 
-def train_returns(script, env_id, total_timesteps, flags, cwd, n=20):
-    """Trains `script` on `env_id` for `total_timesteps` steps; returns the last `n` full-game returns it logged."""
-    result = run(script, "--env-id", env_id, "--total-timesteps", total_timesteps, *flags, cwd=cwd, timeout=900)
+def train(script, env_id, total_timesteps, flags, cwd, timeout=600):
+    """Trains `script` on `env_id` for `total_timesteps` steps in `cwd` (which holds no run yet); returns its run folder."""
+    result = run(script, "--env-id", env_id, "--total-timesteps", total_timesteps, *flags, cwd=cwd, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = run_dirs(cwd)
+    return run_dir
+
+
+def train_returns(script, env_id, total_timesteps, flags, cwd, n=20):
+    """Trains `script` on `env_id` for `total_timesteps` steps; returns the last `n` full-game returns it logged."""
+    run_dir = train(script, env_id, total_timesteps, flags, cwd, timeout=900)
     returns = [value for _, value in scalars(run_dir, "charts/episodic_return")]
     assert len(returns) >= n, returns
     return returns[-n:]
@@ -59,9 +65,7 @@ def check_run(run_dir, updates, steps_per_update):
 def train_then_eval(script, env_id, flags, cwd, steps_per_update, updates):
     """Trains for `updates` updates, checks the run, then plays one full game in eval mode from its checkpoint.
     Returns that game's return."""
-    result = run(script, "--env-id", env_id, "--total-timesteps", steps_per_update * updates, *flags, cwd=cwd)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir,) = run_dirs(cwd)
+    run_dir = train(script, env_id, steps_per_update * updates, flags, cwd)
     check_run(run_dir, updates, steps_per_update)
     result = run(script, "--env-id", env_id, *flags, "--eval-checkpoint", os.path.join(run_dir, "checkpoint.pt"),
                  "--eval-episodes", 1, cwd=cwd)

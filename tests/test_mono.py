@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, error_line, run, run_dirs, scalars, train_returns, train_then_eval
+from helpers import ROOT, error_line, run, run_dirs, scalars, train, train_returns, train_then_eval
 from impala_mono import AtariEnv
 
 SCRIPT = "impala_mono.py"
@@ -65,9 +65,7 @@ def test_atari_updates_then_eval(tmp_path, lstm):
 
 def test_resume_continues_the_run(tmp_path):
     steps = 10 * 2 * 2
-    result = run(SCRIPT, "--env-id", "Breakout-v5", "--total-timesteps", steps, *SMALL, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir,) = run_dirs(tmp_path)
+    run_dir = train(SCRIPT, "Breakout-v5", steps, SMALL, tmp_path)
     result = run(SCRIPT, "--env-id", "Breakout-v5", "--total-timesteps", 2 * steps, *SMALL,
                  "--resume", os.path.join(run_dir, "checkpoint.pt"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -131,9 +129,7 @@ def test_bad_input(tmp_path, flags, message):
 
 
 def test_checkpoint_for_another_env_or_network(tmp_path):
-    result = run(SCRIPT, "--env-id", "CartPole-v1", "--total-timesteps", 640, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    path = os.path.join(run_dirs(tmp_path)[0], "checkpoint.pt")
+    path = os.path.join(train(SCRIPT, "CartPole-v1", 640, [], tmp_path), "checkpoint.pt")
     assert error_line(run(SCRIPT, "--env-id", "Acrobot-v1", "--eval-checkpoint", path, cwd=tmp_path)).startswith(
         f"error: checkpoint {path} is for --env-id CartPole-v1, not Acrobot-v1")
     assert error_line(run(SCRIPT, "--env-id", "CartPole-v1", "--use-lstm", "--resume", path, cwd=tmp_path)).startswith(
