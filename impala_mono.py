@@ -14,6 +14,7 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import collections
+import copy
 import queue
 import random
 import shutil
@@ -22,7 +23,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import ale_py
@@ -37,6 +38,13 @@ from torch.utils.tensorboard import SummaryWriter
 import vtrace
 
 
+def bf16_native():
+    """True where the network's devices run bfloat16 natively: the actors' CPU (AVX512-BF16 or AMX) and, if the learner
+    is on CUDA, its GPU (Ampere on). Elsewhere bf16 is emulated and slower than float32."""
+    cpu = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return cpu and (not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] >= 8)
+
+
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -47,6 +55,9 @@ class Args:
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = True
     """if toggled, the learner runs on CUDA when it is available"""
+    bf16: bool = field(default_factory=bf16_native)
+    """run the Atari network's forward in bfloat16 (autocast; parameters, optimizer and loss stay float32); default: on
+    where the hardware runs bf16 natively. Classic-control MLPs stay float32 (bf16 made them slower)"""
     env_id: str = "Pong-v5"
     """an Atari id as in EnvPool (`Pong-v5`, `Breakout-v5`, ...) or a gymnasium classic-control id (`CartPole-v1`)"""
     total_timesteps: int = 50_000_000
@@ -251,8 +262,9 @@ class Agent(nn.Module):
     fell back from ~490 to ~200; at 256 ReLU all 5 held ~490 from 0.6M steps on.
     """
 
-    def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False):
+    def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False, bf16=False):
         super().__init__()
+        self.dtype = torch.bfloat16 if bf16 and len(obs_shape) == 3 else torch.float32  # what the forward computes in
         if len(obs_shape) == 1:
             self.obs_scale, hidden = 1.0, obs_shape[0]
             self.torso = nn.Identity()
@@ -277,6 +289,7 @@ class Agent(nn.Module):
         else:
             self.actor = layer_init(nn.Linear(core_size, num_actions), std=0.01)
             self.critic = layer_init(nn.Linear(core_size, 1), std=1.0)
+            self.to(memory_format=torch.channels_last)  # NHWC: the convolutions' fast layout (20% faster updates on CPU)
 
     def initial_state(self, batch_size):
         """The core state (h, c), each [B, hidden]; () without an LSTM."""
@@ -287,16 +300,23 @@ class Agent(nn.Module):
     def forward(self, obs, first, core_state):
         """obs [T, B, *obs_shape], first [T, B] (True where an episode starts) -> logits [T, B, A], values [T, B], core_state."""
         T, B, *_ = obs.shape
-        x = self.torso(obs.flatten(0, 1).float() / self.obs_scale).view(T, B, -1)
-        if self.lstm is not None:
-            h, c = core_state
-            outputs = []
-            for t in range(T):
-                keep = (~first[t]).float().unsqueeze(-1)  # reset the state where an episode starts
-                h, c = self.lstm(x[t], (h * keep, c * keep))
-                outputs.append(h)
-            x, core_state = torch.stack(outputs), (h, c)
-        return self.actor(x), self.critic(x).squeeze(-1), core_state
+        # Mixed precision: under bf16 autocast, convolutions and matrix products run in bfloat16 on float32 parameters
+        # (bf16 has float32's exponent range, so unlike float16 no loss scaling is needed); the outputs go back to float32.
+        with torch.autocast(obs.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
+            x = obs.flatten(0, 1)
+            if x.dim() == 4:  # frames: NHWC like the weights, converted while still uint8
+                x = x.contiguous(memory_format=torch.channels_last)
+            x = self.torso(x.to(self.dtype) / self.obs_scale).view(T, B, -1)
+            if self.lstm is not None:
+                h, c = core_state
+                outputs = []
+                for t in range(T):
+                    keep = (~first[t]).float().unsqueeze(-1)  # reset the state where an episode starts
+                    h, c = self.lstm(x[t], (h * keep, c * keep))
+                    outputs.append(h)
+                x, core_state = torch.stack(outputs), (h.float(), c.float())
+            logits, values = self.actor(x), self.critic(x).squeeze(-1)
+        return logits.float(), values.float(), core_state
 
 
 def create_buffers(args, obs_space, num_actions, core_state):
@@ -512,19 +532,19 @@ if __name__ == "__main__":
     env = make_env(args)
     obs_space, num_actions = env.observation_space, env.action_space.n
     env.close()
-    agent = Agent(obs_space.shape, num_actions, args.network, args.use_lstm)
+    agent = Agent(obs_space.shape, num_actions, args.network, args.use_lstm, args.bf16)
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["model"])
+    # The CPU copy the actors act with, in shared memory. With bf16 it holds bf16 parameters: autocast would otherwise
+    # cast the weights anew at every step.
+    actor_agent = copy.deepcopy(agent).to(agent.dtype).share_memory()
 
     if args.eval_checkpoint:
-        returns = evaluate(args, agent, obs_space, num_actions)
+        returns = evaluate(args, actor_agent, obs_space, num_actions)
         print(f"{args.env_id}: mean return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} games "
               f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})")
         sys.exit(0)
 
-    actor_agent = Agent(obs_space.shape, num_actions, args.network, args.use_lstm)  # CPU copy the actors act with
-    actor_agent.load_state_dict(agent.state_dict())
-    actor_agent.share_memory()
     agent.to(device)
     optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
     global_step, num_updates = 0, 0
@@ -541,6 +561,7 @@ if __name__ == "__main__":
         "hyperparameters",
         "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in vars(args).items()])),
     )
+    print(f"{run_dir}: learner on {device}, network forward in {str(agent.dtype)[len('torch.'):]}", flush=True)
 
     # TRY NOT TO MODIFY: start the actors
     buffers = create_buffers(args, obs_space, num_actions, agent.initial_state(1))

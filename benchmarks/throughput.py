@@ -2,12 +2,13 @@
 
     python benchmarks/throughput.py --env-ids Breakout-v5 Pong-v5 CartPole-v1 --seconds 60
 
-Prints one table per env: raw gymnasium/ale-py (one env, random actions), raw EnvPool (random
-actions, async, at poly's pool settings), the bare compute of the default network (inference of
-every step plus the learner's update, no env), the ceiling the two allow when they share the
-cores, impala_mono.py and impala_poly.py with their default flags (poly with --num-envs), and
-each one's ratio to raw EnvPool. Scripts are timed from their own progress lines after a warm-up,
-so start-up does not count.
+Prints, per env, raw gymnasium/ale-py (one env, random actions) and raw EnvPool (random actions, async, at
+poly's pool settings), then a table with a column per network precision (float32, bf16 autocast): the default
+network's inference alone and learner alone, their bare compute (inference of every step plus the learner's
+update, no env), the ceiling that compute and EnvPool allow when they share the cores, and impala_mono.py and
+impala_poly.py with their default flags (poly with --num-envs) and --no-bf16 / --bf16; each figure with its ratio
+to that precision's ceiling, and the bf16 / float32 speed-up. Scripts are timed from their own progress lines after
+a warm-up, so start-up does not count.
 """
 
 import argparse
@@ -60,36 +61,43 @@ def raw_envpool(env_id, seconds, num_envs, batch_size, num_threads):
     return sps
 
 
-def bare_compute(env_id, seconds, env_batch_size, num_threads):
-    """Steps/s of the default network's compute alone: inference of every step (batches of `env_batch_size`)
-    plus the learner's forward, backward and RMSProp step on T x B = 20 x 32 steps, with `num_threads` torch threads."""
+def network_sps(env_id, seconds, env_batch_size, num_threads, bf16):
+    """Steps/s of the default network alone, no env: (inference, learner). Inference is the acting copy's `act` on
+    batches of `env_batch_size` observations; the learner is `compute_loss`, backward and the RMSProp step on
+    T x B = 20 x 32 steps. Each gets half of `seconds`, with `num_threads` torch threads."""
     sys.path.insert(0, ROOT)
     import torch
 
-    from impala_poly import Agent, Args, compute_loss
+    from impala_poly import ActingPolicy, Agent, Args, compute_loss
 
     torch.set_num_threads(num_threads)
     spec = envpool.make_spec(env_id)
     args, obs_shape, num_actions = Args(env_id=env_id), spec.observation_space.shape, spec.action_space.n
     T, B = args.unroll_length, args.batch_size
-    agent = Agent(obs_shape, num_actions)
+    agent = Agent(obs_shape, num_actions, bf16=bf16)
+    policy = ActingPolicy(agent)
     optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
     dtype = torch.uint8 if len(obs_shape) == 3 else torch.float32
     batch = dict(obs=torch.zeros(T + 1, B, *obs_shape, dtype=dtype), reward=torch.zeros(T + 1, B),
                  terminated=torch.zeros(T + 1, B, dtype=torch.bool), truncated=torch.zeros(T + 1, B, dtype=torch.bool),
                  action=torch.zeros(T + 1, B, dtype=torch.int64), logits=torch.zeros(T + 1, B, num_actions))
-    obs, first = torch.zeros(1, env_batch_size, *obs_shape, dtype=dtype), torch.zeros(1, env_batch_size, dtype=torch.bool)
-    steps, start = 0, time.time()
-    while time.time() - start < seconds:
-        with torch.no_grad():
-            for _ in range(T * B // env_batch_size):
-                agent(obs, first, ())
+    obs, first = torch.zeros(env_batch_size, *obs_shape, dtype=dtype), torch.zeros(env_batch_size, dtype=torch.bool)
+
+    def rate(step, steps_per_call):
+        step()  # warm-up: the first call allocates
+        calls, start = 0, time.time()
+        while time.time() - start < seconds / 2:
+            step()
+            calls += 1
+        return calls * steps_per_call / (time.time() - start)
+
+    def learn():
         loss, _ = compute_loss(agent, batch, args)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        steps += T * B
-    return steps / (time.time() - start)
+
+    return rate(lambda: policy.act(obs, first, ()), env_batch_size), rate(learn, T * B)
 
 
 def script_sps(script, env_id, seconds, warmup, extra=()):
@@ -120,21 +128,33 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=float, default=20.0, help="seconds a script runs before it is timed")
     parser.add_argument("--num-envs", type=int, default=32, help="EnvPool pool size (raw and poly)")
     parser.add_argument("--scripts", nargs="+", default=["impala_mono.py", "impala_poly.py"])
+    parser.add_argument("--precisions", nargs="+", default=["float32", "bf16"], choices=["float32", "bf16"])
     args = parser.parse_args()
     for env_id in args.env_ids:
-        rows = [("gymnasium, 1 env, random actions", raw_gymnasium(env_id, args.seconds))]
+        gym_sps = raw_gymnasium(env_id, args.seconds)
         envpool_sps = raw_envpool(env_id, args.seconds, args.num_envs, args.num_envs // 2, os.cpu_count())
-        rows.append((f"EnvPool async, {args.num_envs} envs, random actions", envpool_sps))
-        compute_sps = bare_compute(env_id, args.seconds, args.num_envs // 2, os.cpu_count())
-        rows.append(("bare compute: inference + learner, no env", compute_sps))
-        rows.append(("ceiling: 1 / (1 / EnvPool + 1 / compute)", 1 / (1 / envpool_sps + 1 / compute_sps)))
-        for script in args.scripts:
-            if os.path.exists(os.path.join(ROOT, script)):
-                extra = ["--num-envs", args.num_envs] if script == "impala_poly.py" else []
-                rows.append((f"{script}, default flags", script_sps(script, env_id, args.seconds, args.warmup, map(str, extra))))
-        ceiling = rows[3][1]
-        print(f"\n{env_id} ({os.cpu_count()} cores)")
-        print(f"| {'what':<45} | {'steps/s':>8} | {'/ EnvPool':>9} | {'/ ceiling':>9} |")
-        print(f"|{'-' * 47}|{'-' * 9}:|{'-' * 10}:|{'-' * 10}:|")
-        for name, sps in rows:
-            print(f"| {name:<45} | {sps:>8.0f} | {sps / envpool_sps:>9.2f} | {sps / ceiling:>9.2f} |", flush=True)
+        rows = {}  # what -> {precision: steps/s}
+        for precision in args.precisions:
+            inference, learner = network_sps(env_id, args.seconds, args.num_envs // 2, os.cpu_count(), precision == "bf16")
+            compute = 1 / (1 / inference + 1 / learner)
+            rows.setdefault(f"inference alone, batches of {args.num_envs // 2}", {})[precision] = inference
+            rows.setdefault("learner alone, 20 x 32 steps per update", {})[precision] = learner
+            rows.setdefault("bare compute: inference + learner, no env", {})[precision] = compute
+            rows.setdefault("ceiling: 1 / (1 / EnvPool + 1 / compute)", {})[precision] = 1 / (1 / envpool_sps + 1 / compute)
+            for script in args.scripts:
+                if os.path.exists(os.path.join(ROOT, script)):
+                    extra = ["--num-envs", args.num_envs] if script == "impala_poly.py" else []
+                    extra.append("--bf16" if precision == "bf16" else "--no-bf16")
+                    sps = script_sps(script, env_id, args.seconds, args.warmup, map(str, extra))
+                    rows.setdefault(f"{script}, default flags", {})[precision] = sps
+        print(f"\n{env_id} ({os.cpu_count()} cores): gymnasium + ale-py, 1 env, random actions: {gym_sps:.0f} steps/s; "
+              f"EnvPool async, {args.num_envs} envs, random actions: {envpool_sps:.0f} steps/s")
+        ceiling = rows["ceiling: 1 / (1 / EnvPool + 1 / compute)"]
+        header = "".join(f" {p + ' (/ ceiling)':>20} |" for p in args.precisions)
+        ratio = len(args.precisions) == 2
+        print(f"| {'steps/s':<45} |{header}" + (f" {'bf16 / float32':>14} |" if ratio else ""))
+        print(f"|{'-' * 47}|" + f"{'-' * 21}:|" * len(args.precisions) + (f"{'-' * 15}:|" if ratio else ""))
+        for name, by_precision in rows.items():
+            cells = "".join(f" {f'{by_precision[p]:.0f} ({by_precision[p] / ceiling[p]:.2f})':>20} |" for p in args.precisions)
+            speedup = f" {by_precision['bf16'] / by_precision['float32']:>14.2f} |" if ratio else ""
+            print(f"| {name:<45} |{cells}{speedup}", flush=True)

@@ -29,6 +29,14 @@ def scalars(run_dir, tag):
     return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
 
 
+def cpu_has_bf16():
+    """Whether the kernel lists native bfloat16 (AVX512-BF16 or AMX-BF16) among this CPU's flags: a ground truth apart
+    from torch's own detection, for the scripts' default --bf16."""
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
 def error_line(result):
     """The one line a bad-input error must print: stderr, stripped of library warnings."""
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -38,11 +46,16 @@ def error_line(result):
     return lines[0]
 
 
-def train(script, env_id, total_timesteps, flags, cwd, timeout=600):
-    """Trains `script` on `env_id` for `total_timesteps` steps in `cwd` (which holds no run yet); returns its run folder."""
+def train(script, env_id, total_timesteps, flags, cwd, timeout=600, precision=None):
+    """Trains `script` on `env_id` for `total_timesteps` steps in `cwd` (which holds no run yet); returns its run folder.
+    With `precision`, checks that the run's first line reports that the network's forward runs in it."""
     result = run(script, "--env-id", env_id, "--total-timesteps", total_timesteps, *flags, cwd=cwd, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = run_dirs(cwd)
+    first_line = result.stdout.splitlines()[0]
+    assert first_line.startswith(os.path.join("runs", os.path.basename(run_dir)) + ": "), first_line
+    if precision is not None:
+        assert first_line.endswith(f"network forward in {precision}"), first_line
     return run_dir
 
 
@@ -62,10 +75,10 @@ def check_run(run_dir, updates, steps_per_update):
     assert all(np.isfinite(value) for _, value in scalars(run_dir, "losses/loss"))
 
 
-def train_then_eval(script, env_id, flags, cwd, steps_per_update, updates):
-    """Trains for `updates` updates, checks the run, then plays one full game in eval mode from its checkpoint.
-    Returns that game's return."""
-    run_dir = train(script, env_id, steps_per_update * updates, flags, cwd)
+def train_then_eval(script, env_id, flags, cwd, steps_per_update, updates, precision):
+    """Trains for `updates` updates, checks the run and that it reports the forward in `precision`, then plays one full
+    game in eval mode from its checkpoint. Returns that game's return."""
+    run_dir = train(script, env_id, steps_per_update * updates, flags, cwd, precision=precision)
     check_run(run_dir, updates, steps_per_update)
     result = run(script, "--env-id", env_id, *flags, "--eval-checkpoint", os.path.join(run_dir, "checkpoint.pt"),
                  "--eval-episodes", 1, cwd=cwd)

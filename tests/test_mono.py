@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, error_line, run, run_dirs, scalars, train, train_returns, train_then_eval
+from helpers import ROOT, cpu_has_bf16, error_line, run, run_dirs, scalars, train, train_returns, train_then_eval
 from impala_mono import AtariEnv
 
 SCRIPT = "impala_mono.py"
@@ -54,11 +54,15 @@ def test_cartpole_learns(tmp_path):
     assert np.mean(returns) >= 400, returns
 
 
-@pytest.mark.parametrize("lstm", [False, True])
-def test_atari_updates_then_eval(tmp_path, lstm):
+@pytest.mark.parametrize("lstm, flags, precision", [
+    (False, [], "bfloat16" if cpu_has_bf16() else "float32"),  # the default follows the CPU
+    (True, [], "bfloat16" if cpu_has_bf16() else "float32"),
+    (False, ["--no-bf16"], "float32"),
+])
+def test_atari_updates_then_eval(tmp_path, lstm, flags, precision):
     """A few updates on Pong-v5, then eval mode plays a full game from the saved checkpoint."""
-    game_return = train_then_eval(SCRIPT, "Pong-v5", [*SMALL, *(["--use-lstm"] if lstm else [])], tmp_path,
-                                  steps_per_update=10 * 2, updates=3)
+    game_return = train_then_eval(SCRIPT, "Pong-v5", [*SMALL, *flags, *(["--use-lstm"] if lstm else [])], tmp_path,
+                                  steps_per_update=10 * 2, updates=3, precision=precision)
     # A barely trained agent loses a full game of Pong: the opponent scores 21 first.
     assert game_return == int(game_return) and -21 <= game_return <= -15, game_return
 

@@ -1,0 +1,99 @@
+"""bfloat16 autocast: one learner update agrees with float32, and the flag's automatic choice is the hardware's."""
+
+import copy
+
+import envpool
+import numpy as np
+import pytest
+import torch
+
+from helpers import cpu_has_bf16
+import impala_mono
+import impala_poly
+
+
+def breakout_batch(agent, T=20, B=8, seed=0):
+    """A learner batch [T + 1, B, ...] of real Breakout-v5 frames under random actions (EnvPool, synchronous, after 50
+    steps), with behavior logits near the agent's own. Random play scores too rarely to exercise the loss, so rewards
+    (+-1, 1 in 10) and episode ends (1 in 20) are drawn at random."""
+    envs = envpool.make("Breakout-v5", env_type="gymnasium", num_envs=B, seed=seed)
+    rng = np.random.default_rng(seed)
+    envs.reset()
+    for _ in range(50):
+        obs, *_ = envs.step(rng.integers(4, size=B))
+    steps = dict(obs=[obs], reward=[np.zeros(B)], terminated=[np.zeros(B, bool)], truncated=[np.zeros(B, bool)])
+    actions = rng.integers(4, size=(T + 1, B))
+    for t in range(T):
+        obs, reward, terminated, truncated, _ = envs.step(actions[t])
+        for key, value in dict(obs=obs, reward=reward, terminated=terminated, truncated=truncated).items():
+            steps[key].append(value)
+    envs.close()
+    batch = {key: torch.from_numpy(np.stack(values)) for key, values in steps.items()}
+    batch["reward"] = torch.from_numpy(rng.choice([-1.0, 0.0, 1.0], p=[0.05, 0.9, 0.05], size=(T + 1, B))).float()
+    batch["terminated"] = torch.from_numpy(rng.random((T + 1, B)) < 0.05)
+    batch["action"] = torch.from_numpy(actions)
+    with torch.no_grad():
+        logits, _, _ = agent(batch["obs"], torch.zeros(T + 1, B, dtype=torch.bool), agent.initial_state(B))
+    batch["logits"] = logits + 0.3 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))
+    if agent.lstm is not None:
+        batch["core_state"] = 0.1 * torch.randn(2, B, agent.lstm.hidden_size, generator=torch.Generator().manual_seed(seed))
+    return batch
+
+
+@pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])
+@pytest.mark.parametrize("use_lstm", [False, True], ids=["cnn", "lstm"])
+def test_bf16_update_matches_float32(script, use_lstm):
+    """The same parameters and batch in both precisions: the loss terms agree within 0.5%, and the gradient (float32 in
+    both) points the same way (cosine >= 0.995) and differs by less than 0.3 x what another batch of the same data
+    changes it by: bf16 perturbs an update much less than sampling does. (Measured: 0.1%, 0.998, 0.19.)"""
+    torch.manual_seed(0)
+    agent32 = script.Agent((4, 84, 84), 4, use_lstm=use_lstm)
+    agent16 = script.Agent((4, 84, 84), 4, use_lstm=use_lstm, bf16=True)
+    agent16.load_state_dict(agent32.state_dict())
+    assert (agent32.dtype, agent16.dtype) == (torch.float32, torch.bfloat16)
+    args = script.Args(env_id="Breakout-v5", use_lstm=use_lstm)
+
+    def update(agent, batch):
+        loss, stats = script.compute_loss(agent, batch, args)
+        agent.zero_grad()
+        loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in agent.parameters()])
+        assert loss.dtype == grad.dtype == torch.float32 and all(p.dtype == torch.float32 for p in agent.parameters())
+        return {key: value.item() for key, value in stats.items()}, grad
+
+    batch, other_batch = breakout_batch(agent32, seed=0), breakout_batch(agent32, seed=1)
+    (stats32, grad32), (stats16, grad16) = update(agent32, batch), update(agent16, batch)
+    _, other_grad32 = update(agent32, other_batch)
+    for key in stats32:
+        assert stats16[key] == pytest.approx(stats32[key], rel=0.005), (key, stats16[key], stats32[key])
+    assert not torch.equal(grad16, grad32)  # bf16 did run
+    assert torch.nn.functional.cosine_similarity(grad16, grad32, dim=0) >= 0.995
+    assert (grad16 - grad32).norm() < 0.3 * (other_grad32 - grad32).norm()
+
+
+def test_poly_acting_copy_is_bf16_and_agrees():
+    """poly's acting copy holds bf16 parameters (no weight cast per inference batch) and picks from the same
+    distribution as the float32 network: logits within 0.05."""
+    torch.manual_seed(0)
+    agent = impala_poly.Agent((4, 84, 84), 4, bf16=True)
+    policy = impala_poly.ActingPolicy(agent)
+    assert all(p.dtype == torch.bfloat16 for p in policy.agent.parameters())
+    assert all(p.dtype == torch.float32 for p in agent.parameters())  # the learner's stay float32
+    reference = copy.deepcopy(agent)
+    reference.dtype = torch.float32
+    batch = breakout_batch(reference, T=1, B=16)
+    obs, first = batch["obs"][0], torch.zeros(16, dtype=torch.bool)
+    _, logits, _, _ = policy.act(obs, first, ())
+    with torch.no_grad():
+        expected, _, _ = reference(obs[None], first[None], ())
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected[0], atol=0.05, rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's choice")
+@pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])
+def test_default_follows_the_cpu(script):
+    """The default is on exactly where the kernel lists AVX512-BF16 or AMX-BF16 (a ground truth apart from torch's)."""
+    assert script.bf16_native() == cpu_has_bf16()
+    assert script.Args().bf16 == script.bf16_native()
+    assert script.Agent((4,), 2, bf16=True).dtype == torch.float32  # the classic-control MLPs stay float32
