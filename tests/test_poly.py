@@ -176,6 +176,7 @@ def test_torchrun_two_processes(tmp_path):
                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout = finished(process)
     assert "parameters identical on all 2 ranks" in stdout, stdout
+    assert stdout.splitlines()[0].endswith(": training on 2 x cpu, network forward in float32"), stdout  # an MLP
     (run_dir,) = run_dirs(tmp_path)
     check_run(run_dir, updates=3, steps_per_update=10 * 2 * 2)  # global_step counts the steps of both ranks
 
