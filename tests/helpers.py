@@ -37,6 +37,15 @@ def cpu_has_bf16():
     return bool({"avx512_bf16", "amx_bf16"} & set(flags))
 
 
+# (use_lstm, flags, the precision the run must report) for the scripts' updates-then-eval tests on Atari: the
+# default precision follows the CPU, --no-bf16 is float32.
+UPDATES_THEN_EVAL_CASES = [
+    (False, [], "bfloat16" if cpu_has_bf16() else "float32"),
+    (True, [], "bfloat16" if cpu_has_bf16() else "float32"),
+    (False, ["--no-bf16"], "float32"),
+]
+
+
 def error_line(result):
     """The one line a bad-input error must print: stderr, stripped of library warnings."""
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, cpu_has_bf16, error_line, run, run_dirs, scalars, train, train_returns, train_then_eval
+from helpers import ROOT, UPDATES_THEN_EVAL_CASES, error_line, run, run_dirs, scalars, train, train_returns, train_then_eval
 from impala_mono import AtariEnv
 
 SCRIPT = "impala_mono.py"
@@ -54,11 +54,7 @@ def test_cartpole_learns(tmp_path):
     assert np.mean(returns) >= 400, returns
 
 
-@pytest.mark.parametrize("lstm, flags, precision", [
-    (False, [], "bfloat16" if cpu_has_bf16() else "float32"),  # the default follows the CPU
-    (True, [], "bfloat16" if cpu_has_bf16() else "float32"),
-    (False, ["--no-bf16"], "float32"),
-])
+@pytest.mark.parametrize("lstm, flags, precision", UPDATES_THEN_EVAL_CASES)
 def test_atari_updates_then_eval(tmp_path, lstm, flags, precision):
     """A few updates on Pong-v5, then eval mode plays a full game from the saved checkpoint."""
     game_return = train_then_eval(SCRIPT, "Pong-v5", [*SMALL, *flags, *(["--use-lstm"] if lstm else [])], tmp_path,
