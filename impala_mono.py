@@ -513,11 +513,20 @@ def load_checkpoint(path, args):
 
 
 def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
-    """Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint."""
+    """Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint; the one it replaces
+    is kept as checkpoint.prev.pt. Non-finite parameters are refused (returns False), so no path writes them."""
+    if not all(torch.isfinite(p).all() for p in agent.parameters()):
+        print(f"error: the parameters are not finite at global_step={global_step}: {path} not overwritten", file=sys.stderr)
+        return False
     checkpoint = dict(model=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=global_step,
                       num_updates=num_updates, args=vars(args))
     torch.save(checkpoint, path + ".tmp")
+    if os.path.exists(path):
+        previous = path[: -len(".pt")] + ".prev.pt"
+        shutil.copyfile(path, previous + ".tmp")
+        os.replace(previous + ".tmp", previous)
     os.replace(path + ".tmp", path)
+    return True
 
 
 if __name__ == "__main__":
@@ -625,7 +634,14 @@ if __name__ == "__main__":
                     loss, stats = compute_loss(agent, batch, args)
                     optimizer.zero_grad()
                     loss.backward()
-                    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                    grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
+                    if not torch.isfinite(grad_norm):
+                        bad = ", ".join(key for key, value in stats.items() if not torch.isfinite(value)) or "the gradient"
+                        learner_errors.append(f"update {num_updates + 1} at global_step={global_step} is not finite ({bad}): "
+                                              "not applied, the checkpoint keeps the parameters before it; "
+                                              "lower --learning-rate or check the rewards")
+                        stop.set()
+                        return
                     optimizer.step()
                     actor_agent.load_state_dict(agent.state_dict())
                     policy_lag = num_updates - batch["policy_version"].float().mean().item()
@@ -634,12 +650,13 @@ if __name__ == "__main__":
                     global_step += T * B
                     for key, value in stats.items():
                         writer.add_scalar(f"losses/{key}", value.item(), global_step)
+                    writer.add_scalar("losses/grad_norm", grad_norm.item(), global_step)
                     writer.add_scalar("charts/learning_rate", lr, global_step)
                     writer.add_scalar("stats/policy_lag", policy_lag, global_step)
                     writer.add_scalar("stats/batch_wait_time", update_start - batch_start, global_step)
                     writer.add_scalar("stats/update_time", time.time() - update_start, global_step)
         except Exception as e:
-            learner_errors.append(e)
+            learner_errors.append(f"the learner failed: {e!r}")
             traceback.print_exc()
             stop.set()
 
@@ -664,6 +681,8 @@ if __name__ == "__main__":
                 recent_returns.append(episodic_return)
                 writer.add_scalar("charts/episodic_return", episodic_return, global_step)
                 writer.add_scalar("charts/episodic_length", episodic_length, global_step)
+            if learner_errors:  # before the actors: they end when a failed learner stops the run
+                raise RuntimeError(learner_errors[0])
             failed = [(i, p.exitcode) for i, p in enumerate(actors) if not p.is_alive()]
             if failed:
                 raise RuntimeError(f"actor {failed[0][0]} exited with code {failed[0][1]}")
@@ -681,7 +700,7 @@ if __name__ == "__main__":
                     save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
                 last_checkpoint = now
         if learner_errors:
-            raise RuntimeError(f"the learner failed: {learner_errors[0]!r}")
+            raise RuntimeError(learner_errors[0])
     except KeyboardInterrupt:
         print(f"interrupted at global_step={global_step}", flush=True)
     except RuntimeError as e:
@@ -697,8 +716,9 @@ if __name__ == "__main__":
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
-        save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
-        print(f"saved {checkpoint_path} at global_step={global_step} "
+        saved = save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
+        exit_code = exit_code if saved else 1
+        print(f"{'saved' if saved else 'did not save'} {checkpoint_path} at global_step={global_step} "
               f"(mean of the last {len(recent_returns)} episodic returns: "
               f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f})", flush=True)
         writer.close()

@@ -17,6 +17,7 @@ import copy
 import os
 import queue
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -490,11 +491,20 @@ def load_checkpoint(path, args):
 
 
 def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
-    """Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint."""
+    """Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint; the one it replaces
+    is kept as checkpoint.prev.pt. Non-finite parameters are refused (returns False), so no path writes them."""
+    if not all(torch.isfinite(p).all() for p in agent.parameters()):
+        print(f"error: the parameters are not finite at global_step={global_step}: {path} not overwritten", file=sys.stderr)
+        return False
     checkpoint = dict(model=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=global_step,
                       num_updates=num_updates, args=vars(args))
     torch.save(checkpoint, path + ".tmp")
+    if os.path.exists(path):
+        previous = path[: -len(".pt")] + ".prev.pt"
+        shutil.copyfile(path, previous + ".tmp")
+        os.replace(previous + ".tmp", previous)
     os.replace(path + ".tmp", path)
+    return True
 
 
 if __name__ == "__main__":
@@ -606,7 +616,14 @@ if __name__ == "__main__":
                         stopping = all_reduce_gradients(agent, stopping, world_size)
                     if stopping:
                         break
-                    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                    grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
+                    if not torch.isfinite(grad_norm):  # after the all_reduce: every rank sees it and stops here
+                        bad = ", ".join(key for key, value in stats.items() if not torch.isfinite(value)) or "the gradient"
+                        errors.append(f"update {num_updates + 1} at global_step={global_step} is not finite ({bad}): "
+                                      "not applied, the checkpoint keeps the parameters before it; "
+                                      "lower --learning-rate or check the rewards")
+                        stop.set()
+                        break
                     optimizer.step()
                     policy.update(agent, num_updates + 1)
                     policy_lag = num_updates - batch["policy_version"].float().mean().item()
@@ -614,6 +631,7 @@ if __name__ == "__main__":
                     global_step += T * B * world_size
                     for key, value in stats.items():
                         log(f"losses/{key}", value.item())
+                    log("losses/grad_norm", grad_norm.item())
                     log("charts/learning_rate", lr)
                     log("stats/policy_lag", policy_lag)
                     log("stats/batch_wait_time", update_start - wait_start)
@@ -687,9 +705,10 @@ if __name__ == "__main__":
         actor.join()
         envs.close()
         if master_process:
-            save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
+            saved = save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
+            exit_code = exit_code if saved else 1
             in_sync = f", parameters identical on all {world_size} ranks" if params_in_sync == [True] else ""
-            print(f"saved {checkpoint_path} at global_step={global_step}{in_sync} "
+            print(f"{'saved' if saved else 'did not save'} {checkpoint_path} at global_step={global_step}{in_sync} "
                   f"(mean of the last {len(recent_returns)} episodic returns: "
                   f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f})", flush=True)
             writer.close()

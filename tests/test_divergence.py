@@ -1,0 +1,50 @@
+"""A diverged update is never applied nor saved: the run stops with one error line and the last good checkpoint stays."""
+
+import os
+
+import pytest
+import torch
+
+import impala_mono
+import impala_poly
+from helpers import error_line, run, scalars, train
+
+# Two updates of 4 envs x 10 steps on CartPole-v1 (mono: 1 actor x 4 envs; poly: a pool of 4).
+FLAGS = {"impala_mono.py": ["--num-actors", 1, "--num-envs-per-actor", 4, "--unroll-length", 10, "--batch-size", 4],
+         "impala_poly.py": ["--num-envs", 4, "--num-threads", 1, "--unroll-length", 10, "--batch-size", 4]}
+
+
+@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
+def test_non_finite_update_stops_the_run_and_keeps_the_checkpoint(tmp_path, script):
+    """--vf-coef 1e38 makes the first loss of the resumed run infinite: that update is not applied, the run exits
+    non-zero with one error line naming it, and the checkpoint holds the finite parameters of step 80."""
+    run_dir = train(script, "CartPole-v1", 80, FLAGS[script], tmp_path)
+    path = os.path.join(run_dir, "checkpoint.pt")
+    good = torch.load(path, weights_only=True)
+    assert scalars(run_dir, "losses/grad_norm") and all(0 < norm < float("inf") for _, norm in scalars(run_dir, "losses/grad_norm"))
+
+    result = run(script, "--env-id", "CartPole-v1", "--total-timesteps", 160, *FLAGS[script], "--vf-coef", 1e38,
+                 "--resume", path, cwd=tmp_path)
+    assert error_line(result).startswith("error: update 3 at global_step=80 is not finite (loss): not applied"), result.stderr
+    checkpoint = torch.load(path, weights_only=True)
+    assert (checkpoint["global_step"], checkpoint["num_updates"]) == (80, 2)
+    assert all(torch.equal(checkpoint["model"][key], good["model"][key]) for key in good["model"])
+    assert [step for step, _ in scalars(run_dir, "losses/loss")] == [40, 80]  # nothing logged for the bad update
+
+
+@pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])
+def test_save_checkpoint_keeps_the_previous_one_and_refuses_non_finite(tmp_path, script, capsys):
+    agent = script.Agent((4,), 2)
+    optimizer = torch.optim.RMSprop(agent.parameters())
+    args = script.Args(env_id="CartPole-v1")
+    path = str(tmp_path / "checkpoint.pt")
+    assert script.save_checkpoint(path, agent, optimizer, 10, 1, args)
+    assert script.save_checkpoint(path, agent, optimizer, 20, 2, args)
+    steps = lambda p: torch.load(p, weights_only=True)["global_step"]  # noqa: E731
+    assert (steps(path), steps(str(tmp_path / "checkpoint.prev.pt"))) == (20, 10)
+    with torch.no_grad():
+        agent.actor[0].weight[0, 0] = float("nan")
+    assert not script.save_checkpoint(path, agent, optimizer, 30, 3, args)
+    assert (steps(path), steps(str(tmp_path / "checkpoint.prev.pt"))) == (20, 10)
+    assert capsys.readouterr().err.startswith("error: the parameters are not finite at global_step=30")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.prev.pt", "checkpoint.pt"]  # no temporary file left
