@@ -117,6 +117,8 @@ class Args:
     # Checkpoints and evaluation
     checkpoint_interval: float = 600.0
     """seconds between checkpoints (one is also written at the end and on Ctrl-C / SIGTERM)"""
+    stall_timeout: float = 300.0
+    """seconds without a learner update before the run stops with an error that says which side stalled"""
     resume: Optional[str] = None
     """path of a checkpoint.pt to continue (same run folder, step count and schedule)"""
     eval_checkpoint: Optional[str] = None
@@ -481,7 +483,7 @@ def check_args(args):
         sys.exit(f"error: unknown --env-id {args.env_id!r}: use an Atari id as in EnvPool (Pong-v5, Breakout-v5, ...) "
                  "or a gymnasium classic-control id (CartPole-v1, Acrobot-v1, ...)")
     for name in ("total_timesteps", "num_actors", "num_envs_per_actor", "unroll_length", "batch_size", "num_buffers",
-                 "num_learner_threads", "num_torch_threads", "eval_episodes"):
+                 "num_learner_threads", "num_torch_threads", "eval_episodes", "stall_timeout"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     args.bf16 = args.bf16 and is_atari(args.env_id)  # the classic-control MLPs ran slower in bf16
@@ -668,7 +670,8 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, interrupt)
     learners = [threading.Thread(target=learner_thread) for _ in range(args.num_learner_threads)]
     start_time, start_step = time.time(), global_step
-    last_log = last_checkpoint = start_time
+    last_log = last_checkpoint = last_progress = start_time
+    last_progress_step = global_step
     recent_returns = collections.deque(maxlen=20)
     exit_code = 0
     try:
@@ -687,6 +690,11 @@ if __name__ == "__main__":
             if failed:
                 raise RuntimeError(f"actor {failed[0][0]} exited with code {failed[0][1]}")
             now = time.time()
+            if global_step != last_progress_step:
+                last_progress, last_progress_step = now, global_step
+            elif now - last_progress > args.stall_timeout:
+                side = "the learner (rollouts wait for it)" if full_queue.qsize() else "the actors (no batch came)"
+                raise RuntimeError(f"no update for {now - last_progress:.0f} s (--stall-timeout): {side} stalled")
             if now - last_log >= 5.0:
                 sps = int((global_step - start_step) / (now - start_time))
                 writer.add_scalar("charts/SPS", sps, global_step)

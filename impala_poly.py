@@ -119,6 +119,8 @@ class Args:
     # Checkpoints and evaluation
     checkpoint_interval: float = 600.0
     """seconds between checkpoints (one is also written at the end and on Ctrl-C / SIGTERM)"""
+    stall_timeout: float = 300.0
+    """seconds without a learner update before the run stops with an error that says which side stalled"""
     resume: Optional[str] = None
     """path of a checkpoint.pt to continue (same run folder, step count and schedule; under torchrun every machine reads it)"""
     eval_checkpoint: Optional[str] = None
@@ -445,6 +447,15 @@ def evaluate(args, policy, device):
     return np.array(returns[: args.eval_episodes])
 
 
+def available_memory():
+    """Bytes of memory available for new allocations (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def check_args(args):
     """Exits with a one-line error on bad input, before anything is started."""
     try:
@@ -456,7 +467,7 @@ def check_args(args):
         sys.exit(f"error: unknown --env-id {args.env_id!r}: use an Atari id as in EnvPool (Pong-v5, Breakout-v5, ...) "
                  "or a gymnasium classic-control id (CartPole-v1, Acrobot-v1, ...)")
     for name in ("total_timesteps", "num_envs", "env_batch_size", "num_threads", "unroll_length", "batch_size",
-                 "queue_size", "num_torch_threads", "eval_episodes"):
+                 "queue_size", "num_torch_threads", "eval_episodes", "stall_timeout"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.env_batch_size is None:
@@ -464,6 +475,14 @@ def check_args(args):
     if args.env_batch_size > args.num_envs:
         sys.exit(f"error: --env-batch-size {args.env_batch_size} is larger than --num-envs {args.num_envs}: "
                  "each recv() returns at most all the envs")
+    # Each env's [T + 1] rollout, plus the batches in the queue, being stacked and being learned from, per local rank.
+    obs_bytes = int(np.prod(spec.observation_space.shape)) * spec.observation_space.dtype.itemsize
+    needed = (args.num_envs + (args.queue_size + 2) * args.batch_size) * (args.unroll_length + 1) * obs_bytes
+    needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    available = available_memory()
+    if available is not None and needed > available:
+        sys.exit(f"error: --num-envs {args.num_envs} needs {needed / 2**30:.1f} GiB of rollout buffers, but "
+                 f"{available / 2**30:.1f} GiB of memory is available: lower --num-envs, --batch-size or --unroll-length")
     args.bf16 = args.bf16 and is_atari(args.env_id)  # the classic-control MLPs ran slower in bf16
     # EnvPool and torch share the cores. On 2 cores, Breakout in float32 ran 1.2x faster with 2 + 2 threads than with
     # 2 + 1; in bf16 the network is cheaper, and 2 + 1 ran 1.16x faster than 2 + 2.
@@ -655,7 +674,8 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, interrupt)
     actor, learner = threading.Thread(target=actor_thread), threading.Thread(target=learner_thread)
     start_time, start_step = time.time(), global_step
-    last_log = last_checkpoint = start_time
+    last_log = last_checkpoint = last_progress = start_time
+    last_progress_step = global_step
     recent_returns = collections.deque(maxlen=20)
     exit_code = 0
     try:
@@ -671,6 +691,11 @@ if __name__ == "__main__":
             if errors:
                 raise RuntimeError(errors[0])
             now = time.time()
+            if global_step != last_progress_step:
+                last_progress, last_progress_step = now, global_step
+            elif now - last_progress > args.stall_timeout:
+                side = "the learner (a batch waits for it)" if batch_queue.qsize() else "the actors (no batch came)"
+                raise RuntimeError(f"no update for {now - last_progress:.0f} s (--stall-timeout): {side} stalled")
             if now - last_log >= 5.0:
                 sps = int((global_step - start_step) / (now - start_time))
                 log("charts/SPS", sps)
