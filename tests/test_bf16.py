@@ -21,17 +21,13 @@ def breakout_batch(agent, T=20, B=8, seed=0):
     envs.reset()
     for _ in range(50):
         obs, *_ = envs.step(rng.integers(4, size=B))
-    steps = dict(obs=[obs], reward=[np.zeros(B)], terminated=[np.zeros(B, bool)], truncated=[np.zeros(B, bool)])
-    actions = rng.integers(4, size=(T + 1, B))
+    frames, actions = [obs], rng.integers(4, size=(T + 1, B))
     for t in range(T):
-        obs, reward, terminated, truncated, _ = envs.step(actions[t])
-        for key, value in dict(obs=obs, reward=reward, terminated=terminated, truncated=truncated).items():
-            steps[key].append(value)
+        frames.append(envs.step(actions[t])[0])
     envs.close()
-    batch = {key: torch.from_numpy(np.stack(values)) for key, values in steps.items()}
-    batch["reward"] = torch.from_numpy(rng.choice([-1.0, 0.0, 1.0], p=[0.05, 0.9, 0.05], size=(T + 1, B))).float()
-    batch["terminated"] = torch.from_numpy(rng.random((T + 1, B)) < 0.05)
-    batch["action"] = torch.from_numpy(actions)
+    batch = dict(obs=torch.from_numpy(np.stack(frames)), action=torch.from_numpy(actions),
+                 reward=torch.from_numpy(rng.choice([-1.0, 0.0, 1.0], p=[0.05, 0.9, 0.05], size=(T + 1, B))).float(),
+                 terminated=torch.from_numpy(rng.random((T + 1, B)) < 0.05), truncated=torch.zeros(T + 1, B, dtype=torch.bool))
     with torch.no_grad():
         logits, _, _ = agent(batch["obs"], torch.zeros(T + 1, B, dtype=torch.bool), agent.initial_state(B))
     batch["logits"] = logits + 0.3 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))
