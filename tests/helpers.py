@@ -39,11 +39,8 @@ def cpu_has_bf16():
 
 # (use_lstm, flags, the precision the run must report) for the scripts' updates-then-eval tests on Atari: the
 # default precision follows the CPU, --no-bf16 is float32.
-UPDATES_THEN_EVAL_CASES = [
-    (False, [], "bfloat16" if cpu_has_bf16() else "float32"),
-    (True, [], "bfloat16" if cpu_has_bf16() else "float32"),
-    (False, ["--no-bf16"], "float32"),
-]
+DEFAULT_PRECISION = "bfloat16" if cpu_has_bf16() else "float32"
+UPDATES_THEN_EVAL_CASES = [(False, [], DEFAULT_PRECISION), (True, [], DEFAULT_PRECISION), (False, ["--no-bf16"], "float32")]
 
 
 def error_line(result):
