@@ -122,7 +122,7 @@ class Args:
     stall_timeout: float = 300.0
     """seconds without a learner update before the run stops with an error that says which side stalled"""
     resume: Optional[str] = None
-    """path of a checkpoint.pt to continue (same run folder, step count and schedule; under torchrun every machine reads it)"""
+    """path of a checkpoint.pt to continue (same run folder, step count and schedule; under torchrun rank 0 reads it)"""
     eval_checkpoint: Optional[str] = None
     """path of a checkpoint.pt to evaluate instead of training"""
     eval_episodes: int = 10
@@ -490,9 +490,15 @@ def check_args(args):
     args.num_threads = cores if args.num_threads is None else args.num_threads
     if args.num_torch_threads is None:
         args.num_torch_threads = max(1, cores // 2) if args.bf16 else cores
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):  # restarts: see "Restarts" in the README
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            sys.exit("error: torchrun --max-restarts: restarted ranks would read the dead ranks' addresses from torchrun's "
+                     "shared store: launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (across nodes also --rdzv-backend c10d)")
+        if os.environ.get("TORCHELASTIC_RUN_ID") == "none" and not (args.run_name or args.resume):
+            sys.exit("error: torchrun --max-restarts needs a run folder that every restart finds: pass --run-name or torchrun --rdzv-id")
     for name in ("resume", "eval_checkpoint"):
         path = getattr(args, name)
-        if path is not None and not os.path.isfile(path):
+        if path is not None and not os.path.isfile(path) and os.environ.get("RANK", "0") == "0":
             sys.exit(f"error: --{name.replace('_', '-')} {path}: no such file")
 
 
@@ -529,7 +535,6 @@ def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
-    checkpoint = load_checkpoint(args.resume or args.eval_checkpoint, args) if (args.resume or args.eval_checkpoint) else None
 
     # TRY NOT TO MODIFY: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; a plain `python` run is rank 0 of 1
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -542,8 +547,31 @@ if __name__ == "__main__":
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.set_num_threads(args.num_torch_threads)
 
+    # The run folder is the same on every rank and every torchrun restart: from --resume, --run-name or torchrun's run id.
+    if args.resume:
+        args.run_name = os.path.basename(os.path.dirname(os.path.abspath(args.resume)))
+    if not args.run_name:
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # a uuid under torchrun on one node, --rdzv-id across nodes
+        args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{run_id if run_id != 'none' else int(time.time())}"
+    run_dir = os.path.join("runs", args.run_name)
+    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
+    # Under torchrun --max-restarts a run whose folder holds a checkpoint continues it (rank 0's folder: it saves them).
+    restart = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and os.path.isfile(checkpoint_path)
+    load_path = checkpoint_path if restart else args.resume or args.eval_checkpoint
+    checkpoint = load_checkpoint(load_path, args) if load_path and master_process else None
+
     spec = envpool.make_spec(args.env_id)
     agent = Agent(spec.observation_space.shape, spec.action_space.n, args.network, args.use_lstm, args.bf16)
+    if world_size > 1:
+        if use_cuda:
+            torch.cuda.set_device(device)
+        # A collective that waits longer than this for a peer raises instead of hanging (a dead peer's closed
+        # connection makes gloo raise at once; torchrun also stops the other ranks of a failed run).
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=5))
+        shared = [agent.state_dict(), checkpoint]  # every rank starts from rank 0's parameters, or rank 0's checkpoint
+        dist.broadcast_object_list(shared, src=0)
+        agent.load_state_dict(shared[0])
+        checkpoint = shared[1]
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["model"])
     agent.to(device)
@@ -554,32 +582,20 @@ if __name__ == "__main__":
               f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})")
         sys.exit(0)
 
-    if world_size > 1:
-        if use_cuda:
-            torch.cuda.set_device(device)
-        # A collective that waits longer than this for a peer raises instead of hanging (a dead peer's closed
-        # connection makes gloo raise at once; torchrun also stops the other ranks of a failed run).
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=5))
-        for tensor in agent.state_dict().values():
-            dist.broadcast(tensor, src=0)  # every rank starts from rank 0's parameters
     optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
     global_step, num_updates = 0, 0
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
         global_step, num_updates = checkpoint["global_step"], checkpoint["num_updates"]
-        args.run_name = os.path.basename(os.path.dirname(os.path.abspath(args.resume)))
-    if not args.run_name:
-        args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = os.path.join("runs", args.run_name)
-    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     writer = None
     if master_process:
-        writer = SummaryWriter(run_dir, purge_step=global_step + 1 if args.resume else None)  # drop what was logged after the checkpoint
+        writer = SummaryWriter(run_dir, purge_step=global_step + 1 if checkpoint else None)  # drop what was logged after the checkpoint
         writer.add_text(
             "hyperparameters",
             "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in {**vars(args), "world_size": world_size}.items()])),
         )
-        print(f"{run_dir}: training on {world_size} x {device}, network forward in {str(agent.dtype)[len('torch.'):]}", flush=True)
+        resumed = f", continuing {load_path} at global_step={global_step}" if restart else ""
+        print(f"{run_dir}: training on {world_size} x {device}, network forward in {str(agent.dtype)[len('torch.'):]}{resumed}", flush=True)
 
     def log(tag, value):
         if writer is not None:

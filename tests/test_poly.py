@@ -166,11 +166,16 @@ def finished(process, timeout=300):
     return stdout
 
 
+def torchrun(tmp_path, flags, max_restarts=0):
+    """Two ranks on this machine; with restarts, torchrun keeps no store across them (see the README's Restarts)."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "--max-restarts", str(max_restarts), os.path.join(ROOT, SCRIPT), *map(str, flags)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts else None)
+
+
 def test_torchrun_two_processes(tmp_path):
-    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                os.path.join(ROOT, SCRIPT), *map(str, TORCHRUN_FLAGS)],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stdout = finished(process)
+    stdout = finished(torchrun(tmp_path, TORCHRUN_FLAGS))
     assert "parameters identical on all 2 ranks" in stdout, stdout
     assert stdout.splitlines()[0].endswith(": training on 2 x cpu, network forward in float32"), stdout  # an MLP
     (run_dir,) = run_dirs(tmp_path)
@@ -212,6 +217,55 @@ def test_torchrun_two_nodes(tmp_path):
     assert outputs[1] == "" and not run_dirs(tmp_path / "node1")  # only rank 0 logs and saves
     (run_dir,) = run_dirs(tmp_path / "node0")
     check_run(run_dir, updates=3, steps_per_update=10 * 2 * 2)
+
+
+def test_torchrun_restarts_from_the_checkpoint(tmp_path):
+    """Under `torchrun --max-restarts 1`, rank 1 is killed once a checkpoint holds 3 updates: torchrun restarts both
+    ranks, they continue from rank 0's last checkpoint in the same run folder, and the run ends at its step budget with
+    one loss point per update (what was logged after the checkpoint is dropped). Then a resumed torchrun run whose
+    first update is not finite stops on both ranks and leaves that checkpoint as it was."""
+    flags = ["--env-id", "CartPole-v1", "--num-envs", 4, "--env-batch-size", 2, "--num-threads", 1, "--unroll-length", 10,
+             "--batch-size", 2, "--run-name", "elastic", "--checkpoint-interval", 0.5]
+    total, per_update = 40 * 600, 10 * 2 * 2
+    path = tmp_path / "runs" / "elastic" / "checkpoint.pt"
+    process = torchrun(tmp_path, [*flags, "--total-timesteps", total], max_restarts=1)
+    try:
+        deadline = time.time() + 120
+        while not path.exists() or torch.load(path, weights_only=True)["num_updates"] < 3:
+            assert time.time() < deadline and process.poll() is None, process.communicate()
+            time.sleep(0.2)
+        (worker,) = [pid for pid in children(process.pid) if b"\0RANK=1\0" in open(f"/proc/{pid}/environ", "rb").read()]
+        os.kill(worker, signal.SIGKILL)
+        stdout = finished(process)
+    finally:
+        process.kill()
+    restart = [line for line in stdout.splitlines() if ", continuing runs/elastic/checkpoint.pt at global_step=" in line]
+    assert len(restart) == 1 and int(restart[0].split("=")[-1]) >= 3 * per_update, stdout
+    assert "parameters identical on all 2 ranks" in stdout, stdout
+    check_run(str(tmp_path / "runs" / "elastic"), updates=total // per_update, steps_per_update=per_update)
+
+    good = torch.load(path, weights_only=True)
+    process = torchrun(tmp_path, [*flags, "--total-timesteps", 2 * total, "--vf-coef", 1e38, "--resume", path])
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode != 0
+    assert f"error: update {total // per_update + 1} at global_step={total} is not finite (loss): not applied" in stderr, stderr[-3000:]
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["global_step"] == total and all(torch.equal(checkpoint["model"][k], good["model"][k]) for k in good["model"])
+
+
+@pytest.mark.parametrize("store, run_id, message", [
+    ("True", "job", "error: torchrun --max-restarts: restarted ranks would read the dead ranks' addresses from torchrun's "
+                    "shared store: launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (across nodes also --rdzv-backend c10d)"),
+    ("False", "none", "error: torchrun --max-restarts needs a run folder that every restart finds: pass --run-name or "
+                      "torchrun --rdzv-id"),  # across nodes without --rdzv-id
+], ids=["shared-store", "no-run-id"])
+def test_torchrun_restarts_refused_where_they_could_not_work(tmp_path, store, run_id, message):
+    """The environment torchrun gives its workers: TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RUN_ID."""
+    env = {**os.environ, "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": store, "TORCHELASTIC_RUN_ID": run_id}
+    result = subprocess.run([sys.executable, os.path.join(ROOT, SCRIPT), "--env-id", "CartPole-v1"], cwd=tmp_path,
+                            capture_output=True, text=True, env=env)
+    assert error_line(result) == message
+    assert not os.path.exists(tmp_path / "runs")
 
 
 @pytest.mark.parametrize("flags, message", [
