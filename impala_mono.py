@@ -15,6 +15,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 import collections
 import copy
+import importlib.util
 import queue
 import random
 import shutil
@@ -56,6 +57,16 @@ class Args:
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = True
     """if toggled, the learner runs on CUDA when it is available"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "impala"
+    """the wandb's project name"""
+    wandb_entity: Optional[str] = None
+    """the entity (team) of wandb's project"""
+    capture_video: bool = False
+    """Atari: record games as MP4s under videos/<run_name>/: every game in eval mode, one every `video_interval` in training"""
+    video_interval: float = 10.0
+    """minutes between the games recorded in training with --capture-video"""
     bf16: bool = field(default_factory=bf16_native)
     """run the Atari network's forward in bfloat16 (autocast; parameters, optimizer and loss stay float32); default: on
     where the hardware runs bf16 natively. Classic-control MLPs always run in float32 (bf16 made them slower)"""
@@ -129,6 +140,8 @@ class Args:
     # to be filled in runtime
     run_name: str = ""
     """the run's folder under runs/ (set from the checkpoint when resuming)"""
+    wandb_id: Optional[str] = None
+    """the W&B run's id, kept in the checkpoint so that a resumed run continues it"""
 
 
 class AtariEnv(gym.Env):
@@ -344,6 +357,33 @@ def create_buffers(args, obs_space, num_actions, core_state):
     return {key: torch.zeros(args.num_buffers, *shape, dtype=dtype).share_memory_() for key, (shape, dtype) in specs.items()}
 
 
+class GameRecorder:
+    """--capture-video: env 0's games as H.264 MP4s of the full-colour screen, one frame per step (the last of its 4
+    emulator frames; a game of L steps gives L + 1 frames with its first screen), played at the game's speed. In
+    training, the first game to start `interval` seconds after the last recorded one starts; in eval mode, every game."""
+
+    def __init__(self, screen, folder, interval):
+        self.screen, self.folder, self.interval = screen, folder, interval
+        self.frames, self.next_start, self.count = None, 0.0, 0
+
+    def step(self, new_game, ended, version):
+        """After each step of env 0: new_game: its obs starts a game; ended: [(return, length)] of the game ending there."""
+        if self.frames is None and new_game and time.time() >= self.next_start:
+            self.frames, self.next_start = [], time.time() + self.interval
+        if self.frames is not None:
+            self.frames.append(self.screen())
+            for game_return, length in ended:
+                path = os.path.join(self.folder, f"update{version}-game{self.count}-return{game_return:g}-steps{length}.mp4")
+                try:  # a clip that cannot be written never stops a run
+                    import imageio.v2 as imageio  # only with --capture-video
+
+                    os.makedirs(self.folder, exist_ok=True)
+                    imageio.mimwrite(path, self.frames, fps=15, codec="libx264", macro_block_size=1)  # 60 Hz / 4
+                except Exception as e:
+                    print(f"warning: could not write {path}: {e!r}", file=sys.stderr, flush=True)
+                self.frames, self.count = None, self.count + 1
+
+
 def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop):
     """Steps `num_envs_per_actor` envs with the shared CPU `agent`, filling one buffer slot per env per rollout."""
     try:
@@ -369,6 +409,11 @@ def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_que
         first = torch.ones(K, dtype=torch.bool)  # step["obs"] starts an episode
         core_state = agent.initial_state(K)  # before the current step
         game_return, game_length = np.zeros(K), np.zeros(K, dtype=np.int64)
+        recorder = None
+        if args.capture_video and actor_index == 0:  # env 0's games; in eval mode all of them
+            recorder = GameRecorder(envs[0].unwrapped.ale.getScreenRGB, os.path.join("videos", args.run_name),
+                                    0 if args.eval_checkpoint else args.video_interval * 60)
+            recorder.step(True, [], policy_version.value)  # the first game's reset screen
 
         def act(core_state):
             with torch.no_grad():
@@ -394,11 +439,13 @@ def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_que
                         obs, reward, terminated, truncated, info = env.step(step["action"][k].item())
                         step["obs"][k] = torch.from_numpy(obs)
                         step["reward"][k], step["terminated"][k], step["truncated"][k] = reward, terminated, truncated
-                        if first[k]:
-                            continue  # the reset step belongs to no episode
-                        game_return[k] += reward
-                        game_length[k] += 1
-                        if truncated or info.get("terminated", terminated):  # the game is over, not just a life
+                        game_over = not first[k] and (truncated or info.get("terminated", terminated))  # not just a life
+                        if not first[k]:  # the reset step belongs to no episode
+                            game_return[k] += reward
+                            game_length[k] += 1
+                        if recorder is not None and k == 0:
+                            recorder.step(first[0] and game_length[0] == 0, [(game_return[0], game_length[0])] * game_over, policy_version.value)
+                        if game_over:
                             episode_queue.put((game_return[k], game_length[k]))
                             game_return[k], game_length[k] = 0.0, 0
                     core_state, next_core_state = next_core_state, act(next_core_state)
@@ -453,7 +500,7 @@ def compute_loss(agent, batch, args):
     return loss, dict(policy_loss=policy_loss, value_loss=value_loss, entropy=entropy.mean(), loss=loss)
 
 
-def evaluate(args, agent, obs_space, num_actions):
+def evaluate(args, agent, obs_space, num_actions, version):
     """Plays `eval_episodes` full games with one actor in this process; returns their returns."""
     args.num_envs_per_actor, args.num_buffers = 1, 2
     buffers = create_buffers(args, obs_space, num_actions, agent.initial_state(1))
@@ -461,7 +508,7 @@ def evaluate(args, agent, obs_space, num_actions):
     for index in range(args.num_buffers):
         free_queue.put(index)
     stop = threading.Event()
-    thread = threading.Thread(target=actor, args=(0, args, agent, buffers, free_queue, full_queue, episode_queue, mp.Value("l", 0), stop))
+    thread = threading.Thread(target=actor, args=(0, args, agent, buffers, free_queue, full_queue, episode_queue, mp.Value("l", version), stop))
     thread.start()
     returns = []
     while len(returns) < args.eval_episodes:
@@ -483,9 +530,14 @@ def check_args(args):
         sys.exit(f"error: unknown --env-id {args.env_id!r}: use an Atari id as in EnvPool (Pong-v5, Breakout-v5, ...) "
                  "or a gymnasium classic-control id (CartPole-v1, Acrobot-v1, ...)")
     for name in ("total_timesteps", "num_actors", "num_envs_per_actor", "unroll_length", "batch_size", "num_buffers",
-                 "num_learner_threads", "num_torch_threads", "eval_episodes", "stall_timeout"):
+                 "num_learner_threads", "num_torch_threads", "eval_episodes", "stall_timeout", "video_interval"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for flag, needs, packages in (("track", ["wandb"], "wandb"), ("capture_video", ["imageio", "imageio_ffmpeg"], "imageio imageio-ffmpeg")):
+        if getattr(args, flag) and not all(importlib.util.find_spec(name) for name in needs):
+            sys.exit(f"error: --{flag.replace('_', '-')} needs {packages}: pip install {packages}")
+    if args.capture_video and not is_atari(args.env_id):
+        sys.exit(f"error: --capture-video records Atari games; {args.env_id} has no screen to record")
     args.bf16 = args.bf16 and is_atari(args.env_id)  # the classic-control MLPs ran slower in bf16
     if args.num_torch_threads is None:  # on 2 cores, Breakout ran 1.13x faster with 1 than 2 in bf16, 1.06x slower in float32
         args.num_torch_threads = 1 if args.bf16 else 2
@@ -535,6 +587,10 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
     checkpoint = load_checkpoint(args.resume or args.eval_checkpoint, args) if (args.resume or args.eval_checkpoint) else None
+    if checkpoint is not None:
+        args.run_name = os.path.basename(os.path.dirname(os.path.abspath(args.resume or args.eval_checkpoint)))
+    if not args.run_name:
+        args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
 
     # TRY NOT TO MODIFY: seeding
     random.seed(args.seed)
@@ -555,7 +611,7 @@ if __name__ == "__main__":
     actor_agent = copy.deepcopy(agent).to(agent.dtype).share_memory()
 
     if args.eval_checkpoint:
-        returns = evaluate(args, actor_agent, obs_space, num_actions)
+        returns = evaluate(args, actor_agent, obs_space, num_actions, version=checkpoint["num_updates"])
         print(f"{args.env_id}: mean return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} games "
               f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})")
         sys.exit(0)
@@ -566,11 +622,15 @@ if __name__ == "__main__":
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
         global_step, num_updates = checkpoint["global_step"], checkpoint["num_updates"]
-        args.run_name = os.path.basename(os.path.dirname(os.path.abspath(args.resume)))
-    if not args.run_name:
-        args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = os.path.join("runs", args.run_name)
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
+    if args.track:
+        import wandb  # only with --track
+
+        args.wandb_id = checkpoint["args"].get("wandb_id") if checkpoint else None
+        args.wandb_id = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                                   config=vars(args), name=args.run_name, monitor_gym=False, save_code=True,
+                                   id=args.wandb_id, resume="allow").id
     writer = SummaryWriter(run_dir, purge_step=global_step + 1 if args.resume else None)  # drop what was logged after the checkpoint
     writer.add_text(
         "hyperparameters",

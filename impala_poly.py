@@ -14,6 +14,7 @@ and Cleanba (async EnvPool, one bounded queue to the learner); the agent and the
 
 import collections
 import copy
+import importlib.util
 import os
 import queue
 import random
@@ -57,6 +58,16 @@ class Args:
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = True
     """if toggled, the learner runs on CUDA when it is available"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "impala"
+    """the wandb's project name"""
+    wandb_entity: Optional[str] = None
+    """the entity (team) of wandb's project"""
+    capture_video: bool = False
+    """Atari: record games as MP4s under videos/<run_name>/: every game in eval mode, one every `video_interval` in training"""
+    video_interval: float = 10.0
+    """minutes between the games recorded in training with --capture-video"""
     bf16: bool = field(default_factory=bf16_native)
     """run the Atari network's forward in bfloat16 (autocast; parameters, optimizer and loss stay float32); default: on
     where the hardware runs bf16 natively. Classic-control MLPs always run in float32 (bf16 made them slower)"""
@@ -131,6 +142,8 @@ class Args:
     # to be filled in runtime
     run_name: str = ""
     """the run's folder under runs/ (set from the checkpoint when resuming)"""
+    wandb_id: Optional[str] = None
+    """the W&B run's id, kept in the checkpoint so that a resumed run continues it"""
 
 
 def is_atari(env_id):
@@ -143,8 +156,9 @@ def make_env(args, num_envs, batch_size, seed, num_threads):
     next step and ignores that step's action."""
     atari_kwargs = dict(episodic_life=args.episodic_life, repeat_action_probability=args.repeat_action_probability,
                         reward_clip=False) if is_atari(args.env_id) else {}
+    render = dict(render_mode="rgb_array") if args.capture_video else {}  # full-colour screens for videos
     return envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, batch_size=batch_size,
-                        num_threads=num_threads, seed=seed, **atari_kwargs)
+                        num_threads=num_threads, seed=seed, **atari_kwargs, **render)
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -282,14 +296,14 @@ class GameTracker:
         self.returns, self.lengths = np.zeros(num_envs), np.zeros(num_envs, np.int64)
 
     def update(self, env_ids, reward, terminated, truncated, info):
-        """Returns first [n] (the obs starts an episode) and [(return, length)] of the games that just ended."""
+        """Returns first [n] (the obs starts an episode) and [(env_id, return, length)] of the games that just ended."""
         first = self.after_final[env_ids]
         self.after_final[env_ids] = terminated | truncated
         counted = ~first  # the reset step belongs to no episode
         self.returns[env_ids] += reward * counted
         self.lengths[env_ids] += counted
         ended = env_ids[truncated | info.get("terminated", terminated).astype(bool)]
-        games = list(zip(self.returns[ended].tolist(), self.lengths[ended].tolist()))
+        games = list(zip(ended.tolist(), self.returns[ended].tolist(), self.lengths[ended].tolist()))
         self.returns[ended], self.lengths[ended] = 0.0, 0
         return first, games
 
@@ -327,6 +341,33 @@ class RolloutAssembler:
         return rollouts
 
 
+class GameRecorder:
+    """--capture-video: env 0's games as H.264 MP4s of the full-colour screen, one frame per step (the last of its 4
+    emulator frames; a game of L steps gives L + 1 frames with its first screen), played at the game's speed. In
+    training, the first game to start `interval` seconds after the last recorded one starts; in eval mode, every game."""
+
+    def __init__(self, screen, folder, interval):
+        self.screen, self.folder, self.interval = screen, folder, interval
+        self.frames, self.next_start, self.count = None, 0.0, 0
+
+    def step(self, new_game, ended, version):
+        """After each step of env 0: new_game: its obs starts a game; ended: [(return, length)] of the game ending there."""
+        if self.frames is None and new_game and time.time() >= self.next_start:
+            self.frames, self.next_start = [], time.time() + self.interval
+        if self.frames is not None:
+            self.frames.append(self.screen())
+            for game_return, length in ended:
+                path = os.path.join(self.folder, f"update{version}-game{self.count}-return{game_return:g}-steps{length}.mp4")
+                try:  # a clip that cannot be written never stops a run
+                    import imageio.v2 as imageio  # only with --capture-video
+
+                    os.makedirs(self.folder, exist_ok=True)
+                    imageio.mimwrite(path, self.frames, fps=15, codec="libx264", macro_block_size=1)  # 60 Hz / 4
+                except Exception as e:
+                    print(f"warning: could not write {path}: {e!r}", file=sys.stderr, flush=True)
+                self.frames, self.count = None, self.count + 1
+
+
 def stack_rollouts(rollouts, pin_memory):
     """B rollouts -> one batch: [T + 1, B, ...] per step, core_state [2, B, hidden], policy_version [B]."""
     batch = {}
@@ -336,7 +377,7 @@ def stack_rollouts(rollouts, pin_memory):
     return batch
 
 
-def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device):
+def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device, recorder=None):
     """recv -> act -> send on the pool until `stop`; every `batch_size` finished rollouts go to the learner as a batch."""
     assembler, games = RolloutAssembler(args.num_envs, args.unroll_length), GameTracker(args.num_envs)
     core_state = tuple(s.to(device) for s in policy.agent.initial_state(args.num_envs))  # each env's state before its next obs
@@ -349,6 +390,8 @@ def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device)
         act_start = time.time()
         first, ended = games.update(env_ids, reward, terminated, truncated, info)
         episodes.extend(ended)
+        if recorder is not None and 0 in env_ids:
+            recorder.step(first[env_ids == 0][0] and games.lengths[0] == 0, [g[1:] for g in ended if g[0] == 0], policy.version)
         index, first_t = torch.from_numpy(env_ids).long().to(device), torch.from_numpy(first).to(device)
         state = tuple(s[index] * ~first_t.unsqueeze(-1) for s in core_state)  # fed to the core on obs: reset where it starts an episode
         action, logits, next_state, version = policy.act(torch.from_numpy(obs).to(device), first_t, state)
@@ -436,12 +479,15 @@ def evaluate(args, policy, device):
     """Plays `eval_episodes` full games on one env, carrying the LSTM state; returns their returns."""
     envs = make_env(args, num_envs=1, batch_size=1, seed=args.seed, num_threads=1)
     games, returns = GameTracker(1), []
+    recorder = GameRecorder(lambda: envs.render()[0], os.path.join("videos", args.run_name), 0) if args.capture_video else None
     core_state = tuple(s.to(device) for s in policy.agent.initial_state(1))
     envs.async_reset()
     while len(returns) < args.eval_episodes:
         obs, reward, terminated, truncated, info = envs.recv()
         first, ended = games.update(info["env_id"], reward, terminated, truncated, info)
-        returns += [game_return for game_return, _ in ended]
+        returns += [game_return for _, game_return, _ in ended]
+        if recorder is not None:
+            recorder.step(first[0] and games.lengths[0] == 0, [g[1:] for g in ended], policy.version)
         action, _, core_state, _ = policy.act(torch.from_numpy(obs).to(device), torch.from_numpy(first).to(device), core_state)
         envs.send(action.cpu().numpy(), info["env_id"])
     return np.array(returns[: args.eval_episodes])
@@ -467,7 +513,7 @@ def check_args(args):
         sys.exit(f"error: unknown --env-id {args.env_id!r}: use an Atari id as in EnvPool (Pong-v5, Breakout-v5, ...) "
                  "or a gymnasium classic-control id (CartPole-v1, Acrobot-v1, ...)")
     for name in ("total_timesteps", "num_envs", "env_batch_size", "num_threads", "unroll_length", "batch_size",
-                 "queue_size", "num_torch_threads", "eval_episodes", "stall_timeout"):
+                 "queue_size", "num_torch_threads", "eval_episodes", "stall_timeout", "video_interval"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.env_batch_size is None:
@@ -483,6 +529,11 @@ def check_args(args):
     if available is not None and needed > available:
         sys.exit(f"error: --num-envs {args.num_envs} needs {needed / 2**30:.1f} GiB of rollout buffers, but "
                  f"{available / 2**30:.1f} GiB of memory is available: lower --num-envs, --batch-size or --unroll-length")
+    for flag, needs, packages in (("track", ["wandb"], "wandb"), ("capture_video", ["imageio", "imageio_ffmpeg"], "imageio imageio-ffmpeg")):
+        if getattr(args, flag) and not all(importlib.util.find_spec(name) for name in needs):
+            sys.exit(f"error: --{flag.replace('_', '-')} needs {packages}: pip install {packages}")
+    if args.capture_video and not is_atari(args.env_id):
+        sys.exit(f"error: --capture-video records Atari games; {args.env_id} has no screen to record")
     args.bf16 = args.bf16 and is_atari(args.env_id)  # the classic-control MLPs ran slower in bf16
     # EnvPool and torch share the cores. On 2 cores, Breakout in float32 ran 1.2x faster with 2 + 2 threads than with
     # 2 + 1; in bf16 the network is cheaper, and 2 + 1 ran 1.16x faster than 2 + 2.
@@ -548,8 +599,8 @@ if __name__ == "__main__":
     torch.set_num_threads(args.num_torch_threads)
 
     # The run folder is the same on every rank and every torchrun restart: from --resume, --run-name or torchrun's run id.
-    if args.resume:
-        args.run_name = os.path.basename(os.path.dirname(os.path.abspath(args.resume)))
+    if args.resume or args.eval_checkpoint:
+        args.run_name = os.path.basename(os.path.dirname(os.path.abspath(args.resume or args.eval_checkpoint)))
     if not args.run_name:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # a uuid under torchrun on one node, --rdzv-id across nodes
         args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{run_id if run_id != 'none' else int(time.time())}"
@@ -577,7 +628,7 @@ if __name__ == "__main__":
     agent.to(device)
 
     if args.eval_checkpoint:
-        returns = evaluate(args, ActingPolicy(agent), device)
+        returns = evaluate(args, ActingPolicy(agent, version=checkpoint["num_updates"]), device)
         print(f"{args.env_id}: mean return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} games "
               f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})")
         sys.exit(0)
@@ -589,6 +640,13 @@ if __name__ == "__main__":
         global_step, num_updates = checkpoint["global_step"], checkpoint["num_updates"]
     writer = None
     if master_process:
+        if args.track:
+            import wandb  # only with --track
+
+            args.wandb_id = checkpoint["args"].get("wandb_id") if checkpoint else None
+            args.wandb_id = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                                       config=vars(args), name=args.run_name, monitor_gym=False, save_code=True,
+                                       id=args.wandb_id, resume="allow").id
         writer = SummaryWriter(run_dir, purge_step=global_step + 1 if checkpoint else None)  # drop what was logged after the checkpoint
         writer.add_text(
             "hyperparameters",
@@ -613,7 +671,9 @@ if __name__ == "__main__":
 
     def actor_thread():
         try:
-            actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device)
+            recorder = GameRecorder(lambda: envs.render(env_ids=[0])[0], os.path.join("videos", args.run_name),
+                                    args.video_interval * 60) if args.capture_video and master_process else None
+            actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device, recorder)
         except Exception as e:
             errors.append(f"the actor loop failed: {e!r}")
             traceback.print_exc()
@@ -700,7 +760,7 @@ if __name__ == "__main__":
         while learner.is_alive():
             time.sleep(0.1)
             while episodes:
-                episodic_return, episodic_length = episodes.popleft()
+                _, episodic_return, episodic_length = episodes.popleft()
                 recent_returns.append(episodic_return)
                 log("charts/episodic_return", episodic_return)
                 log("charts/episodic_length", episodic_length)

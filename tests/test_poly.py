@@ -87,8 +87,8 @@ def test_game_tracker_skips_reset_steps_and_counts_full_games():
     assert games.update(ids0, np.array([2.0]), t, f, atari_info(0)) == (f, [])  # a lost life: not the end of the game
     assert games.update(ids1, np.array([0.0]), f, f, {}) == (t, [])
     assert games.update(ids0, np.array([0.0]), f, f, atari_info(0)) == (t, [])  # the reset step counts for nothing
-    assert games.update(ids0, np.array([3.0]), t, f, atari_info(1)) == (f, [(5.0, 2)])  # game over
-    assert games.update(ids1, np.array([1.0]), f, t, {}) == (f, [(1.0, 1)])  # truncated: the game ends too
+    assert games.update(ids0, np.array([3.0]), t, f, atari_info(1)) == (f, [(0, 5.0, 2)])  # game over
+    assert games.update(ids1, np.array([1.0]), f, t, {}) == (f, [(1, 1.0, 1)])  # truncated: the game ends too
 
 
 @pytest.mark.parametrize("use_lstm", [False, True])
@@ -110,7 +110,7 @@ def test_actor_loop_batches(use_lstm):
         stop.set()
         thread.join(timeout=30)
     assert not thread.is_alive()
-    assert len(episodes) > 0 and all(length == game_return for game_return, length in episodes)  # CartPole pays 1 a step
+    assert len(episodes) > 0 and all(length == game_return for _, game_return, length in episodes)  # CartPole pays 1 a step
 
     T, B = 6, 3
     resets = 0
