@@ -343,29 +343,39 @@ class RolloutAssembler:
 
 class GameRecorder:
     """--capture-video: env 0's games as H.264 MP4s of the full-colour screen, one frame per step (the last of its 4
-    emulator frames; a game of L steps gives L + 1 frames with its first screen), played at the game's speed. In
-    training, the first game to start `interval` seconds after the last recorded one starts; in eval mode, every game."""
+    emulator frames; a game of L steps gives L + 1 frames with its first screen), played at the game's speed, streamed
+    to ffmpeg as they come. In training, the first game to start `interval` seconds after the last recorded one is
+    recorded; in eval mode, every game."""
 
     def __init__(self, screen, folder, interval):
         self.screen, self.folder, self.interval = screen, folder, interval
-        self.frames, self.next_start, self.count = None, 0.0, 0
+        self.writer, self.next_start, self.count = None, 0.0, 0
 
     def step(self, new_game, ended, version):
         """After each step of env 0: new_game: its obs starts a game; ended: [(return, length)] of the game ending there."""
-        if self.frames is None and new_game and time.time() >= self.next_start:
-            self.frames, self.next_start = [], time.time() + self.interval
-        if self.frames is not None:
-            self.frames.append(self.screen())
-            for game_return, length in ended:
-                path = os.path.join(self.folder, f"update{version}-game{self.count}-return{game_return:g}-steps{length}.mp4")
-                try:  # a clip that cannot be written never stops a run
-                    import imageio.v2 as imageio  # only with --capture-video
+        try:  # a clip that cannot be written never stops a run
+            if self.writer is None and new_game and time.time() >= self.next_start:
+                import imageio.v2 as imageio  # only with --capture-video
 
-                    os.makedirs(self.folder, exist_ok=True)
-                    imageio.mimwrite(path, self.frames, fps=15, codec="libx264", macro_block_size=1)  # 60 Hz / 4
-                except Exception as e:
-                    print(f"warning: could not write {path}: {e!r}", file=sys.stderr, flush=True)
-                self.frames, self.count = None, self.count + 1
+                os.makedirs(self.folder, exist_ok=True)
+                self.path = os.path.join(self.folder, f"update{version}-game{self.count}.mp4")
+                self.writer = imageio.get_writer(self.path, fps=15, codec="libx264", macro_block_size=1)  # 60 Hz / 4
+                self.next_start, self.count = time.time() + self.interval, self.count + 1
+            if self.writer is not None:
+                self.writer.append_data(self.screen())
+                for game_return, length in ended:
+                    self.writer.close()
+                    self.writer = None
+                    os.replace(self.path, f"{self.path[:-len('.mp4')]}-return{game_return:g}-steps{length}.mp4")
+        except Exception as e:
+            print(f"warning: --capture-video stopped: {e!r}", file=sys.stderr, flush=True)
+            self.writer, self.next_start = None, float("inf")
+
+    def close(self):
+        """Drops the clip of a game that has not ended."""
+        if self.writer is not None:
+            self.writer.close()
+            os.remove(self.path)
 
 
 def stack_rollouts(rollouts, pin_memory):
@@ -419,6 +429,8 @@ def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device,
         timings["recv"] += act_start - recv_start
         timings["act"] += put_start - act_start
         timings["queue"] += time.time() - put_start
+    if recorder is not None:
+        recorder.close()
 
 
 def compute_loss(agent, batch, args):
