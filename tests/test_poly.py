@@ -96,7 +96,7 @@ def test_actor_loop_batches(use_lstm):
     """Batches from the real actor loop: layout, CartPole physics between steps, and behavior logits that the agent
     reproduces from the stored obs, episode starts and core state (the policy is not updated here)."""
     args = SimpleNamespace(env_id="CartPole-v1", num_envs=4, unroll_length=6, batch_size=3, episodic_life=True,
-                           repeat_action_probability=0.0)
+                           repeat_action_probability=0.0, capture_video=False)
     torch.manual_seed(0)
     agent = Agent((4,), 2, use_lstm=use_lstm)
     envs = make_env(args, num_envs=4, batch_size=2, seed=0, num_threads=2)
