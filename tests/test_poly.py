@@ -193,16 +193,19 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch_two_nodes(tmp_path, flags):
-    """Two torchrun launchers as two nodes of one process each, rendezvous on 127.0.0.1; node i runs in tmp_path/node<i>."""
+def launch_two_nodes(tmp_path, flags, max_restarts=0):
+    """Two torchrun launchers as two nodes of one process each, rendezvous on 127.0.0.1; node i runs in tmp_path/node<i>.
+    With restarts, the c10d rendezvous with run id "job" and no store kept across restarts (see the README's Restarts)."""
     port, processes = free_port(), []
+    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job", "--max-restarts",
+                  str(max_restarts)] if max_restarts else ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     for node_rank in range(2):
         (tmp_path / f"node{node_rank}").mkdir()
         processes.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
-             str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port), os.path.join(ROOT, SCRIPT),
-             *map(str, flags)],
-            cwd=tmp_path / f"node{node_rank}", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+             str(node_rank), *rendezvous, os.path.join(ROOT, SCRIPT), *map(str, flags)],
+            cwd=tmp_path / f"node{node_rank}", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts else None))
     return processes
 
 
@@ -219,38 +222,56 @@ def test_torchrun_two_nodes(tmp_path):
     check_run(run_dir, updates=3, steps_per_update=10 * 2 * 2)
 
 
-def test_torchrun_restarts_from_the_checkpoint(tmp_path):
-    """Under `torchrun --max-restarts 1`, rank 1 is killed once a checkpoint holds 3 updates: torchrun restarts both
-    ranks, they continue from rank 0's last checkpoint in the same run folder, and the run ends at its step budget with
-    one loss point per update (what was logged after the checkpoint is dropped). Then a resumed torchrun run whose
-    first update is not finite stops on both ranks and leaves that checkpoint as it was."""
-    flags = ["--env-id", "CartPole-v1", "--num-envs", 4, "--env-batch-size", 2, "--num-threads", 1, "--unroll-length", 10,
-             "--batch-size", 2, "--run-name", "elastic", "--checkpoint-interval", 0.5]
+ELASTIC_FLAGS = ["--env-id", "CartPole-v1", "--num-envs", 4, "--env-batch-size", 2, "--num-threads", 1, "--unroll-length",
+                 10, "--batch-size", 2, "--checkpoint-interval", 0.5]
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_torchrun_restarts_from_the_checkpoint(tmp_path, nodes):
+    """Under `torchrun --max-restarts 1` (one node of 2 processes, or two nodes of one), rank 1 is killed once a
+    checkpoint holds 3 updates: torchrun restarts the ranks, they continue from rank 0's last checkpoint in the same run
+    folder (two nodes: named from the rendezvous id), and the run ends at its step budget, parameters identical on both
+    ranks, with one loss point per update (what was logged after the checkpoint is dropped)."""
     total, per_update = 40 * 600, 10 * 2 * 2
-    path = tmp_path / "runs" / "elastic" / "checkpoint.pt"
-    process = torchrun(tmp_path, [*flags, "--total-timesteps", total], max_restarts=1)
+    if nodes == 1:
+        run_dir, processes = tmp_path / "runs" / "elastic", [torchrun(tmp_path, [*ELASTIC_FLAGS, "--run-name", "elastic",
+                                                                                 "--total-timesteps", total], max_restarts=1)]
+    else:
+        run_dir = tmp_path / "node0" / "runs" / "CartPole-v1__impala_poly__1__job"
+        processes = launch_two_nodes(tmp_path, [*ELASTIC_FLAGS, "--total-timesteps", total], max_restarts=1)
+    path = run_dir / "checkpoint.pt"
     try:
         deadline = time.time() + 120
         while not path.exists() or torch.load(path, weights_only=True)["num_updates"] < 3:
-            assert time.time() < deadline and process.poll() is None, process.communicate()
+            assert time.time() < deadline and all(p.poll() is None for p in processes), [p.communicate() for p in processes]
             time.sleep(0.2)
-        (worker,) = [pid for pid in children(process.pid) if b"\0RANK=1\0" in open(f"/proc/{pid}/environ", "rb").read()]
+        (worker,) = [pid for process in processes for pid in children(process.pid)
+                     if b"\0RANK=1\0" in open(f"/proc/{pid}/environ", "rb").read()]
         os.kill(worker, signal.SIGKILL)
-        stdout = finished(process)
+        stdout = finished(processes[0])
+        assert finished(processes[-1]) == ("" if nodes == 2 else stdout)
     finally:
-        process.kill()
-    restart = [line for line in stdout.splitlines() if ", continuing runs/elastic/checkpoint.pt at global_step=" in line]
+        for process in processes:
+            process.kill()
+    restart = [line for line in stdout.splitlines()
+               if f", continuing runs/{run_dir.name}/checkpoint.pt at global_step=" in line]
     assert len(restart) == 1 and int(restart[0].split("=")[-1]) >= 3 * per_update, stdout
     assert "parameters identical on all 2 ranks" in stdout, stdout
-    check_run(str(tmp_path / "runs" / "elastic"), updates=total // per_update, steps_per_update=per_update)
+    check_run(str(run_dir), updates=total // per_update, steps_per_update=per_update)
 
+
+def test_torchrun_non_finite_update_stops_every_rank(tmp_path):
+    """A resumed torchrun run whose first update is not finite stops on both ranks and leaves the checkpoint as it was."""
+    stdout = finished(torchrun(tmp_path, TORCHRUN_FLAGS))
+    (run_dir,) = run_dirs(tmp_path)
+    path = os.path.join(run_dir, "checkpoint.pt")
     good = torch.load(path, weights_only=True)
-    process = torchrun(tmp_path, [*flags, "--total-timesteps", 2 * total, "--vf-coef", 1e38, "--resume", path])
+    process = torchrun(tmp_path, [*TORCHRUN_FLAGS[:-1], 2 * TORCHRUN_FLAGS[-1], "--vf-coef", 1e38, "--resume", path])
     _, stderr = process.communicate(timeout=300)
     assert process.returncode != 0
-    assert f"error: update {total // per_update + 1} at global_step={total} is not finite (loss): not applied" in stderr, stderr[-3000:]
+    assert "error: update 4 at global_step=120 is not finite (loss): not applied" in stderr, stdout + stderr[-3000:]
     checkpoint = torch.load(path, weights_only=True)
-    assert checkpoint["global_step"] == total and all(torch.equal(checkpoint["model"][k], good["model"][k]) for k in good["model"])
+    assert checkpoint["global_step"] == 120 and all(torch.equal(checkpoint["model"][k], good["model"][k]) for k in good["model"])
 
 
 @pytest.mark.parametrize("store, run_id, message", [
