@@ -454,7 +454,8 @@ def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_que
                             game_return[k] += reward
                             game_length[k] += 1
                         if recorder is not None and k == 0:
-                            recorder.step(first[0] and game_length[0] == 0, [(game_return[0], game_length[0])] * game_over, policy_version.value)
+                            ended = [(game_return[0], game_length[0])] if game_over else []
+                            recorder.step(first[0] and game_length[0] == 0, ended, policy_version.value)
                         if game_over:
                             episode_queue.put((game_return[k], game_length[k]))
                             game_return[k], game_length[k] = 0.0, 0
