@@ -61,6 +61,49 @@ def raw_envpool(env_id, seconds, num_envs, batch_size, num_threads):
     return sps
 
 
+def acting_loop_sps(env_id, seconds, num_envs, batch_size, num_threads):
+    """Poly's own actor loop (the real `actor_loop`: GameTracker, RolloutAssembler, batching and the queue) on a pool
+    as `raw_envpool`'s, driven by a policy that costs nothing (uniform random actions, zero logits), with a consumer
+    that drops the batches: the most the acting side of poly allows, next to raw EnvPool. Counts the steps in the
+    batches taken off the queue after a warm-up of a quarter of `seconds`."""
+    sys.path.insert(0, ROOT)
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from impala_poly import Args, actor_loop, make_env
+
+    args = Args(env_id=env_id, num_envs=num_envs, env_batch_size=batch_size, num_threads=num_threads)
+    envs = make_env(args, num_envs, batch_size, seed=0, num_threads=num_threads)
+    num_actions = envs.action_space.n
+
+    class FreePolicy:
+        agent, version = SimpleNamespace(initial_state=lambda n: ()), 0
+
+        def act(self, obs, first, core_state):
+            n = len(first)
+            return torch.randint(num_actions, (n,)), torch.zeros(n, num_actions), core_state, 0
+
+    batch_queue, stop = queue.Queue(maxsize=args.queue_size), threading.Event()
+    thread = threading.Thread(target=actor_loop, args=(args, envs, FreePolicy(), batch_queue, [], {"recv": 0, "act": 0, "queue": 0},
+                                                        stop, torch.device("cpu")))
+    thread.start()
+    steps, start, counted = 0, time.time(), None
+    while time.time() - start < seconds * 1.25:
+        batch = batch_queue.get()
+        if counted is None and time.time() - start >= seconds / 4:
+            counted = time.time()
+        elif counted is not None:
+            steps += args.unroll_length * args.batch_size
+    sps = steps / (time.time() - counted)
+    stop.set()
+    thread.join()
+    envs.close()
+    return sps
+
+
 def network_sps(env_id, seconds, env_batch_size, num_threads, bf16):
     """Steps/s of the default network alone, no env: (inference, learner). Inference is the acting copy's `act` on
     batches of `env_batch_size` observations; the learner is `compute_loss`, backward and the RMSProp step on
@@ -133,6 +176,7 @@ if __name__ == "__main__":
     for env_id in args.env_ids:
         gym_sps = raw_gymnasium(env_id, args.seconds)
         envpool_sps = raw_envpool(env_id, args.seconds, args.num_envs, args.num_envs // 2, os.cpu_count())
+        acting_sps = acting_loop_sps(env_id, args.seconds, args.num_envs, args.num_envs // 2, os.cpu_count())
         rows = {}  # what -> {precision: steps/s}
         for precision in args.precisions:
             inference, learner = network_sps(env_id, args.seconds, args.num_envs // 2, os.cpu_count(), precision == "bf16")
@@ -148,7 +192,8 @@ if __name__ == "__main__":
                     sps = script_sps(script, env_id, args.seconds, args.warmup, map(str, extra))
                     rows.setdefault(f"{script}, default flags", {})[precision] = sps
         print(f"\n{env_id} ({os.cpu_count()} cores): gymnasium + ale-py, 1 env, random actions: {gym_sps:.0f} steps/s; "
-              f"EnvPool async, {args.num_envs} envs, random actions: {envpool_sps:.0f} steps/s")
+              f"EnvPool async, {args.num_envs} envs, random actions: {envpool_sps:.0f} steps/s; poly's actor loop on "
+              f"that pool with a free policy: {acting_sps:.0f} steps/s ({acting_sps / envpool_sps:.2f} of raw EnvPool)")
         ceiling = rows["ceiling: 1 / (1 / EnvPool + 1 / compute)"]
         header = "".join(f" {p + ' (/ ceiling)':>20} |" for p in args.precisions)
         ratio = len(args.precisions) == 2
