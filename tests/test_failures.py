@@ -53,10 +53,11 @@ def test_save_checkpoint_keeps_the_previous_one_and_refuses_non_finite(tmp_path,
 
 @pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
 def test_stalled_actors_stop_the_run(tmp_path, script):
-    """One CartPole env with rollouts of 2000 steps takes far longer than 2 s to fill a batch of 4: the learner waits,
-    and after --stall-timeout 2 the run stops, naming the actors."""
+    """One CartPole env with rollouts of 20,000 steps takes 10-20 s to fill a batch of 4 (~5k steps/s here; with
+    rollouts of 2000 a batch came within 2 s about half the time): the learner waits, and after --stall-timeout 2 the
+    run stops, naming the actors."""
     flags = {"impala_mono.py": ["--num-actors", 1, "--num-envs-per-actor", 1],
              "impala_poly.py": ["--num-envs", 1, "--num-threads", 1]}[script]
-    result = run(script, "--env-id", "CartPole-v1", *flags, "--unroll-length", 2000, "--batch-size", 4,
+    result = run(script, "--env-id", "CartPole-v1", *flags, "--unroll-length", 20000, "--batch-size", 4,
                  "--stall-timeout", 2, cwd=tmp_path, timeout=60)
     assert error_line(result).startswith("error: no update for 2 s (--stall-timeout): the actors (no batch came) stalled")
