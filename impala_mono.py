@@ -449,8 +449,9 @@ def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_que
                         obs, reward, terminated, truncated, info = env.step(step["action"][k].item())
                         step["obs"][k] = torch.from_numpy(obs)
                         step["reward"][k], step["terminated"][k], step["truncated"][k] = reward, terminated, truncated
-                        game_over = not first[k] and (truncated or info.get("terminated", terminated))  # not just a life
-                        if not first[k]:  # the reset step belongs to no episode
+                        counted = not first[k]  # the reset step belongs to no episode
+                        game_over = counted and (truncated or info.get("terminated", terminated))  # not just a life
+                        if counted:
                             game_return[k] += reward
                             game_length[k] += 1
                         if recorder is not None and k == 0:

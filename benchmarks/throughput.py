@@ -45,10 +45,13 @@ def raw_gymnasium(env_id, seconds):
     return steps / (time.time() - start)
 
 
+def make_pool(env_id, num_envs, batch_size, num_threads):
+    return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, batch_size=batch_size, num_threads=num_threads, seed=0)
+
+
 def raw_envpool(env_id, seconds, num_envs, batch_size, num_threads):
     """EnvPool in async mode (recv/send), random actions."""
-    pool = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, batch_size=batch_size,
-                        num_threads=num_threads, seed=0)
+    pool = make_pool(env_id, num_envs, batch_size, num_threads)
     pool.async_reset()
     rng = np.random.default_rng(0)
     steps, start = 0, time.time()
@@ -62,21 +65,22 @@ def raw_envpool(env_id, seconds, num_envs, batch_size, num_threads):
 
 
 def acting_loop_sps(env_id, seconds, num_envs, batch_size, num_threads):
-    """Poly's own actor loop (the real `actor_loop`: GameTracker, RolloutAssembler, batching and the queue) on a pool
-    as `raw_envpool`'s, driven by a policy that costs nothing (uniform random actions, zero logits), with a consumer
+    """Poly's own actor loop (the real `actor_loop`: GameTracker, RolloutAssembler, batching and the queue) on the
+    same pool as `raw_envpool`, driven by a policy that costs nothing (uniform random actions, zero logits), with a consumer
     that drops the batches: the most the acting side of poly allows, next to raw EnvPool. Counts the steps in the
     batches taken off the queue after a warm-up of a quarter of `seconds`."""
     sys.path.insert(0, ROOT)
+    import collections
     import queue
     import threading
     from types import SimpleNamespace
 
     import torch
 
-    from impala_poly import Args, actor_loop, make_env
+    from impala_poly import Args, actor_loop
 
     args = Args(env_id=env_id, num_envs=num_envs, env_batch_size=batch_size, num_threads=num_threads)
-    envs = make_env(args, num_envs, batch_size, seed=0, num_threads=num_threads)
+    envs = make_pool(env_id, num_envs, batch_size, num_threads)
     num_actions = envs.action_space.n
 
     class FreePolicy:
@@ -87,12 +91,12 @@ def acting_loop_sps(env_id, seconds, num_envs, batch_size, num_threads):
             return torch.randint(num_actions, (n,)), torch.zeros(n, num_actions), core_state, 0
 
     batch_queue, stop = queue.Queue(maxsize=args.queue_size), threading.Event()
-    thread = threading.Thread(target=actor_loop, args=(args, envs, FreePolicy(), batch_queue, [], {"recv": 0, "act": 0, "queue": 0},
-                                                        stop, torch.device("cpu")))
+    thread = threading.Thread(target=actor_loop, args=(args, envs, FreePolicy(), batch_queue, [], collections.Counter(), stop,
+                                                        torch.device("cpu")))
     thread.start()
     steps, start, counted = 0, time.time(), None
     while time.time() - start < seconds * 1.25:
-        batch = batch_queue.get()
+        batch_queue.get()
         if counted is None and time.time() - start >= seconds / 4:
             counted = time.time()
         elif counted is not None:

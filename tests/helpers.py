@@ -43,6 +43,12 @@ DEFAULT_PRECISION = "bfloat16" if cpu_has_bf16() else "float32"
 UPDATES_THEN_EVAL_CASES = [(False, [], DEFAULT_PRECISION), (True, [], DEFAULT_PRECISION), (False, ["--no-bf16"], "float32")]
 
 
+# Two updates of 4 envs x 10 steps on CartPole-v1 (mono: 1 actor x 4 envs; poly: a pool of 4), for the tests that run
+# both scripts alike.
+CARTPOLE_FLAGS = {"impala_mono.py": ["--num-actors", 1, "--num-envs-per-actor", 4, "--unroll-length", 10, "--batch-size", 4],
+                  "impala_poly.py": ["--num-envs", 4, "--num-threads", 1, "--unroll-length", 10, "--batch-size", 4]}
+
+
 def error_line(result):
     """The one line a bad-input error must print: stderr, stripped of library warnings."""
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]

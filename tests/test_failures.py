@@ -8,11 +8,8 @@ import torch
 
 import impala_mono
 import impala_poly
-from helpers import error_line, run, scalars, train
+from helpers import CARTPOLE_FLAGS as FLAGS, error_line, run, scalars, train
 
-# Two updates of 4 envs x 10 steps on CartPole-v1 (mono: 1 actor x 4 envs; poly: a pool of 4).
-FLAGS = {"impala_mono.py": ["--num-actors", 1, "--num-envs-per-actor", 4, "--unroll-length", 10, "--batch-size", 4],
-         "impala_poly.py": ["--num-envs", 4, "--num-threads", 1, "--unroll-length", 10, "--batch-size", 4]}
 
 
 @pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])

@@ -166,12 +166,16 @@ def finished(process, timeout=300):
     return stdout
 
 
+# torchrun restarts need a store that is not kept across them (see the README's Restarts).
+RESTART_ENV = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def torchrun(tmp_path, flags, max_restarts=0):
-    """Two ranks on this machine; with restarts, torchrun keeps no store across them (see the README's Restarts)."""
+    """Two ranks on this machine."""
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "--max-restarts", str(max_restarts), os.path.join(ROOT, SCRIPT), *map(str, flags)],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts else None)
+                            env=RESTART_ENV if max_restarts else None)
 
 
 def test_torchrun_two_processes(tmp_path):
@@ -195,7 +199,7 @@ def free_port():
 
 def launch_two_nodes(tmp_path, flags, max_restarts=0):
     """Two torchrun launchers as two nodes of one process each, rendezvous on 127.0.0.1; node i runs in tmp_path/node<i>.
-    With restarts, the c10d rendezvous with run id "job" and no store kept across restarts (see the README's Restarts)."""
+    With restarts, the c10d rendezvous with run id "job"."""
     port, processes = free_port(), []
     rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job", "--max-restarts",
                   str(max_restarts)] if max_restarts else ["--master-addr", "127.0.0.1", "--master-port", str(port)]
@@ -205,7 +209,7 @@ def launch_two_nodes(tmp_path, flags, max_restarts=0):
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
              str(node_rank), *rendezvous, os.path.join(ROOT, SCRIPT), *map(str, flags)],
             cwd=tmp_path / f"node{node_rank}", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts else None))
+            env=RESTART_ENV if max_restarts else None))
     return processes
 
 

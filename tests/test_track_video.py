@@ -12,12 +12,9 @@ import pytest
 import torch
 from wandb.proto import wandb_internal_pb2
 
-from helpers import error_line, run, scalars, train
+from helpers import CARTPOLE_FLAGS as CARTPOLE, error_line, run, scalars, train
 
 SCRIPTS = ["impala_mono.py", "impala_poly.py"]
-# Two updates of 4 envs x 10 steps on CartPole-v1 (mono: 1 actor x 4 envs; poly: a pool of 4).
-CARTPOLE = {"impala_mono.py": ["--num-actors", 1, "--num-envs-per-actor", 4, "--unroll-length", 10, "--batch-size", 4],
-            "impala_poly.py": ["--num-envs", 4, "--num-threads", 1, "--unroll-length", 10, "--batch-size", 4]}
 # Two Pong envs stepped in turn, 20 steps per update.
 PONG = {"impala_mono.py": ["--num-actors", 1, "--num-envs-per-actor", 2, "--unroll-length", 10, "--batch-size", 2],
         "impala_poly.py": ["--num-envs", 2, "--env-batch-size", 2, "--num-threads", 1, "--unroll-length", 10, "--batch-size", 2]}
