@@ -323,6 +323,7 @@ class Agent(nn.Module):
             if x.dim() == 4:  # frames: NHWC like the weights, converted while still uint8
                 x = x.contiguous(memory_format=torch.channels_last)
             x = self.torso(x.to(self.dtype) / self.obs_scale).view(T, B, -1)
+            self.features = x.detach()  # the torso's output, for the dead-units diagnostic
             if self.lstm is not None:
                 h, c = core_state
                 outputs = []
@@ -511,7 +512,11 @@ def compute_loss(agent, batch, args):
     value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
     entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum()
-    return loss, dict(policy_loss=policy_loss, value_loss=value_loss, entropy=entropy.mean(), loss=loss)
+    stats = {"losses/policy_loss": policy_loss, "losses/value_loss": value_loss, "losses/entropy": entropy.mean(),
+             "losses/loss": loss, "stats/value": values[:-1].mean()}
+    if not isinstance(agent.torso, nn.Identity):  # a torso unit that is 0 on every step of the batch learns nothing from it
+        stats["stats/dead_units"] = (agent.features.flatten(0, 1) <= 0).all(0).float().mean()
+    return loss, stats
 
 
 def evaluate(args, agent, obs_space, num_actions, version):
@@ -712,7 +717,7 @@ if __name__ == "__main__":
                     loss.backward()
                     grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
                     if not torch.isfinite(grad_norm):
-                        bad = ", ".join(key for key, value in stats.items() if not torch.isfinite(value)) or "the gradient"
+                        bad = ", ".join(key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)) or "the gradient"
                         learner_errors.append(f"update {num_updates + 1} at global_step={global_step} is not finite ({bad}): "
                                               "not applied, the checkpoint keeps the parameters before it; "
                                               "lower --learning-rate or check the rewards")
@@ -724,9 +729,9 @@ if __name__ == "__main__":
                     num_updates += 1
                     policy_version.value = num_updates
                     global_step += T * B
-                    for key, value in stats.items():
-                        writer.add_scalar(f"losses/{key}", value.item(), global_step)
-                    writer.add_scalar("losses/grad_norm", grad_norm.item(), global_step)
+                    stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": grad_norm > args.max_grad_norm})
+                    for tag, value in zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()):  # one device sync
+                        writer.add_scalar(tag, value, global_step)
                     writer.add_scalar("charts/learning_rate", lr, global_step)
                     writer.add_scalar("stats/policy_lag", policy_lag, global_step)
                     writer.add_scalar("stats/batch_wait_time", update_start - batch_start, global_step)

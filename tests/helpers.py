@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import envpool
 import numpy as np
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -98,3 +99,27 @@ def train_then_eval(script, env_id, flags, cwd, steps_per_update, updates, preci
     line = result.stdout.strip().splitlines()[-1]
     assert line.startswith(f"{env_id}: mean return "), line
     return float(line.split()[3])
+
+
+def breakout_batch(agent, T=20, B=8, seed=0):
+    """A learner batch [T + 1, B, ...] of real Breakout-v5 frames under random actions (EnvPool, synchronous, after 50
+    steps), with behavior logits near the agent's own. Random play scores too rarely to exercise the loss, so rewards
+    (+-1, 1 in 10) and episode ends (1 in 20) are drawn at random."""
+    envs = envpool.make("Breakout-v5", env_type="gymnasium", num_envs=B, seed=seed)
+    rng = np.random.default_rng(seed)
+    envs.reset()
+    for _ in range(50):
+        obs, *_ = envs.step(rng.integers(4, size=B))
+    frames, actions = [obs], rng.integers(4, size=(T + 1, B))
+    for t in range(T):
+        frames.append(envs.step(actions[t])[0])
+    envs.close()
+    batch = dict(obs=torch.from_numpy(np.stack(frames)), action=torch.from_numpy(actions),
+                 reward=torch.from_numpy(rng.choice([-1.0, 0.0, 1.0], p=[0.05, 0.9, 0.05], size=(T + 1, B))).float(),
+                 terminated=torch.from_numpy(rng.random((T + 1, B)) < 0.05), truncated=torch.zeros(T + 1, B, dtype=torch.bool))
+    with torch.no_grad():
+        logits, _, _ = agent(batch["obs"], torch.zeros(T + 1, B, dtype=torch.bool), agent.initial_state(B))
+    batch["logits"] = logits + 0.3 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))
+    if agent.lstm is not None:
+        batch["core_state"] = 0.1 * torch.randn(2, B, agent.lstm.hidden_size, generator=torch.Generator().manual_seed(seed))
+    return batch

@@ -2,38 +2,12 @@
 
 import copy
 
-import envpool
-import numpy as np
 import pytest
 import torch
 
-from helpers import cpu_has_bf16
+from helpers import breakout_batch, cpu_has_bf16
 import impala_mono
 import impala_poly
-
-
-def breakout_batch(agent, T=20, B=8, seed=0):
-    """A learner batch [T + 1, B, ...] of real Breakout-v5 frames under random actions (EnvPool, synchronous, after 50
-    steps), with behavior logits near the agent's own. Random play scores too rarely to exercise the loss, so rewards
-    (+-1, 1 in 10) and episode ends (1 in 20) are drawn at random."""
-    envs = envpool.make("Breakout-v5", env_type="gymnasium", num_envs=B, seed=seed)
-    rng = np.random.default_rng(seed)
-    envs.reset()
-    for _ in range(50):
-        obs, *_ = envs.step(rng.integers(4, size=B))
-    frames, actions = [obs], rng.integers(4, size=(T + 1, B))
-    for t in range(T):
-        frames.append(envs.step(actions[t])[0])
-    envs.close()
-    batch = dict(obs=torch.from_numpy(np.stack(frames)), action=torch.from_numpy(actions),
-                 reward=torch.from_numpy(rng.choice([-1.0, 0.0, 1.0], p=[0.05, 0.9, 0.05], size=(T + 1, B))).float(),
-                 terminated=torch.from_numpy(rng.random((T + 1, B)) < 0.05), truncated=torch.zeros(T + 1, B, dtype=torch.bool))
-    with torch.no_grad():
-        logits, _, _ = agent(batch["obs"], torch.zeros(T + 1, B, dtype=torch.bool), agent.initial_state(B))
-    batch["logits"] = logits + 0.3 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))
-    if agent.lstm is not None:
-        batch["core_state"] = 0.1 * torch.randn(2, B, agent.lstm.hidden_size, generator=torch.Generator().manual_seed(seed))
-    return batch
 
 
 @pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])
@@ -60,7 +34,7 @@ def test_bf16_update_matches_float32(script, use_lstm):
     batch, other_batch = breakout_batch(agent32, seed=0), breakout_batch(agent32, seed=1)
     (stats32, grad32), (stats16, grad16) = update(agent32, batch), update(agent16, batch)
     _, other_grad32 = update(agent32, other_batch)
-    for key in stats32:
+    for key in (key for key in stats32 if key.startswith("losses/")):  # the loss terms
         assert stats16[key] == pytest.approx(stats32[key], rel=0.005), (key, stats16[key], stats32[key])
     assert not torch.equal(grad16, grad32)  # bf16 did run
     assert torch.nn.functional.cosine_similarity(grad16, grad32, dim=0) >= 0.995
@@ -92,3 +66,25 @@ def test_default_follows_the_cpu(script):
     """The default is on exactly where the kernel lists AVX512-BF16 or AMX-BF16 (a ground truth apart from torch's)."""
     assert script.bf16_native() == cpu_has_bf16()
     assert script.Args().bf16 == script.bf16_native()
+
+
+@pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])
+def test_diagnostics(script):
+    """stats/value is the mean baseline over the batch's steps; stats/dead_units the share of torso outputs that are 0
+    on every step: all of them when the torso's last layer is biased far below 0, none when biased far above."""
+    torch.manual_seed(0)
+    agent = script.Agent((4, 84, 84), 4)
+    args = script.Args(env_id="Breakout-v5")
+    batch = breakout_batch(agent)
+    with torch.no_grad():
+        _, values, _ = agent(batch["obs"], torch.zeros(21, 8, dtype=torch.bool), ())
+        features = agent.torso(batch["obs"].flatten(0, 1).float() / 255.0)
+    _, stats = script.compute_loss(agent, batch, args)
+    assert stats["stats/value"].item() == pytest.approx(values[:-1].mean().item(), rel=1e-5)
+    assert stats["stats/dead_units"].item() == pytest.approx((features <= 0).all(0).float().mean().item())
+    assert 0 < stats["stats/dead_units"].item() < 1
+    last_linear = agent.torso[-2]
+    for bias, dead in ((-1e3, 1.0), (1e3, 0.0)):
+        with torch.no_grad():
+            last_linear.bias.fill_(bias)
+        assert script.compute_loss(agent, batch, args)[1]["stats/dead_units"].item() == dead
