@@ -331,14 +331,18 @@ class RolloutAssembler:
         T, t = self.T, self.t[env_ids]
         for key, value in step.items():
             self.steps[key][env_ids, t] = value
-        finished = env_ids[t == T]
-        rollouts = [{key: buffer[e].copy() for key, buffer in (*self.steps.items(), *self.starts.items())} for e in finished]
-        for buffer in self.steps.values():
-            buffer[finished, 0] = buffer[finished, T]
-        starting = (t == 0) | (t == T)
+        rollouts = []
+        if t.max() == T:  # one copy per key for all the envs that finished, then a view of it per rollout
+            finished = env_ids[t == T]
+            done = {key: buffer[finished] for key, buffer in (*self.steps.items(), *self.starts.items())}
+            rollouts = [{key: value[i] for key, value in done.items()} for i in range(len(finished))]
+            for buffer in self.steps.values():
+                buffer[finished, 0] = buffer[finished, T]
+            t = np.where(t == T, 0, t)  # their step T is the next rollout's step 0
+        starting = t == 0
         for key, value in start.items():
             self.starts[key][env_ids[starting]] = value[starting]
-        self.t[env_ids] = np.where(t == T, 1, t + 1)
+        self.t[env_ids] = t + 1
         return rollouts
 
 
@@ -403,7 +407,7 @@ def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device,
         episodes.extend(ended)
         if recorder is not None and 0 in env_ids:
             recorder.step(first[env_ids == 0][0] and games.lengths[0] == 0, [g[1:] for g in ended if g[0] == 0], policy.version)
-        index, first_t = torch.from_numpy(env_ids).long().to(device), torch.from_numpy(first).to(device)
+        index, first_t = torch.from_numpy(env_ids).to(device), torch.from_numpy(first).to(device)
         state = tuple(s[index] * ~first_t.unsqueeze(-1) for s in core_state)  # fed to the core on obs: reset where it starts an episode
         action, logits, next_state, version = policy.act(torch.from_numpy(obs).to(device), first_t, state)
         for s, next_s in zip(core_state, next_state):
@@ -608,7 +612,7 @@ if __name__ == "__main__":
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     master_process = rank == 0  # the one that logs and writes checkpoints
     use_cuda = torch.cuda.is_available() and args.cuda
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if use_cuda else "cpu")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}" if use_cuda else "cpu")
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
@@ -635,7 +639,9 @@ if __name__ == "__main__":
             torch.cuda.set_device(device)
         # A collective that waits longer than this for a peer raises instead of hanging (a dead peer's closed
         # connection makes gloo raise at once; torchrun also stops the other ranks of a failed run).
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=5))
+        # NCCL wants a GPU per rank: ranks that share one (more ranks than GPUs on a node) all-reduce with gloo
+        shared_gpu = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
+        dist.init_process_group("nccl" if use_cuda and not shared_gpu else "gloo", timeout=timedelta(minutes=5))
         shared = [agent.state_dict(), checkpoint]  # every rank starts from rank 0's parameters, or rank 0's checkpoint
         dist.broadcast_object_list(shared, src=0)
         agent.load_state_dict(shared[0])

@@ -2,13 +2,15 @@
 
     python benchmarks/throughput.py --env-ids Breakout-v5 Pong-v5 CartPole-v1 --seconds 60
 
-Prints, per env, raw gymnasium/ale-py (one env, random actions) and raw EnvPool (random actions, async, at
-poly's pool settings), then a table with a column per network precision (float32, bf16 autocast): the default
-network's inference alone and learner alone, their bare compute (inference of every step plus the learner's
-update, no env), the ceiling that compute and EnvPool allow when they share the cores, and impala_mono.py and
-impala_poly.py with their default flags (poly with --num-envs) and --no-bf16 / --bf16; each figure with its ratio
-to that precision's ceiling, and the bf16 / float32 speed-up. Scripts are timed from their own progress lines after
-a warm-up, so start-up does not count.
+Prints, per env, raw gymnasium/ale-py (one env, random actions), raw EnvPool (random actions, async, at poly's pool
+settings) and poly's actor loop on that pool with a policy that costs nothing, then a table with a column per network
+precision (float32, bf16 autocast): the default network's inference alone and learner alone (batch building and the
+copy to the device included), their bare compute (inference of every step plus the learner's update, no env), the
+ceiling that compute and EnvPool allow (sharing the cores; with a GPU, side by side), and impala_mono.py and
+impala_poly.py with their default flags (poly with --num-envs) and --no-bf16 / --bf16; each figure with its ratio to
+that precision's ceiling, and the bf16 / float32 speed-up. Scripts are timed from their own progress lines after a
+warm-up, so start-up does not count. Which row is lowest says what limits a box: the envs, the acting loop, or the
+learner.
 """
 
 import argparse
@@ -109,26 +111,28 @@ def acting_loop_sps(env_id, seconds, num_envs, batch_size, num_threads):
 
 
 def network_sps(env_id, seconds, env_batch_size, num_threads, bf16):
-    """Steps/s of the default network alone, no env: (inference, learner). Inference is the acting copy's `act` on
-    batches of `env_batch_size` observations; the learner is `compute_loss`, backward and the RMSProp step on
-    T x B = 20 x 32 steps. Each gets half of `seconds`, with `num_threads` torch threads."""
+    """Steps/s of the default network alone, no env, on the scripts' device (CUDA where there is one): (inference,
+    learner). Inference is the acting copy's `act` on batches of `env_batch_size` observations, from numpy to the
+    actions back in numpy; the learner is poly's: `stack_rollouts` of B = 32 rollouts of T = 20 steps, the copy to the
+    device, `compute_loss`, backward and the RMSProp step. Each gets half of `seconds`, with `num_threads` torch threads."""
     sys.path.insert(0, ROOT)
     import torch
 
-    from impala_poly import ActingPolicy, Agent, Args, compute_loss
+    from impala_poly import ActingPolicy, Agent, Args, compute_loss, stack_rollouts
 
     torch.set_num_threads(num_threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     spec = envpool.make_spec(env_id)
     args, obs_shape, num_actions = Args(env_id=env_id), spec.observation_space.shape, spec.action_space.n
     T, B = args.unroll_length, args.batch_size
-    agent = Agent(obs_shape, num_actions, bf16=bf16)
+    agent = Agent(obs_shape, num_actions, bf16=bf16).to(device)
     policy = ActingPolicy(agent)
     optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
-    dtype = torch.uint8 if len(obs_shape) == 3 else torch.float32
-    batch = dict(obs=torch.zeros(T + 1, B, *obs_shape, dtype=dtype), reward=torch.zeros(T + 1, B),
-                 terminated=torch.zeros(T + 1, B, dtype=torch.bool), truncated=torch.zeros(T + 1, B, dtype=torch.bool),
-                 action=torch.zeros(T + 1, B, dtype=torch.int64), logits=torch.zeros(T + 1, B, num_actions))
-    obs, first = torch.zeros(env_batch_size, *obs_shape, dtype=dtype), torch.zeros(env_batch_size, dtype=torch.bool)
+    dtype = np.uint8 if len(obs_shape) == 3 else np.float32
+    rollouts = [dict(obs=np.zeros((T + 1, *obs_shape), dtype), reward=np.zeros(T + 1, np.float32),
+                     terminated=np.zeros(T + 1, bool), truncated=np.zeros(T + 1, bool), action=np.zeros(T + 1, np.int64),
+                     logits=np.zeros((T + 1, num_actions), np.float32), policy_version=np.int64(0)) for _ in range(B)]
+    obs, first = np.zeros((env_batch_size, *obs_shape), dtype), torch.zeros(env_batch_size, dtype=torch.bool, device=device)
 
     def rate(step, steps_per_call):
         step()  # warm-up: the first call allocates
@@ -136,15 +140,23 @@ def network_sps(env_id, seconds, env_batch_size, num_threads, bf16):
         while time.time() - start < seconds / 2:
             step()
             calls += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         return calls * steps_per_call / (time.time() - start)
 
+    def act():
+        action, logits, _, _ = policy.act(torch.from_numpy(obs).to(device), first, ())
+        action.cpu().numpy(), logits.cpu().numpy()
+
     def learn():
+        batch = {key: value.to(device, non_blocking=True)
+                 for key, value in stack_rollouts(rollouts, pin_memory=device.type == "cuda").items()}
         loss, _ = compute_loss(agent, batch, args)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
 
-    return rate(lambda: policy.act(obs, first, ()), env_batch_size), rate(learn, T * B)
+    return rate(act, env_batch_size), rate(learn, T * B)
 
 
 def script_sps(script, env_id, seconds, warmup, extra=()):
@@ -177,6 +189,10 @@ if __name__ == "__main__":
     parser.add_argument("--scripts", nargs="+", default=["impala_mono.py", "impala_poly.py"])
     parser.add_argument("--precisions", nargs="+", default=["float32", "bf16"], choices=["float32", "bf16"])
     args = parser.parse_args()
+    import torch
+
+    gpu = torch.cuda.is_available()  # the network runs on the GPU, EnvPool on the cores: side by side, not sharing
+    CEILING = "ceiling: min(EnvPool, compute)" if gpu else "ceiling: 1 / (1 / EnvPool + 1 / compute)"
     for env_id in args.env_ids:
         gym_sps = raw_gymnasium(env_id, args.seconds)
         envpool_sps = raw_envpool(env_id, args.seconds, args.num_envs, args.num_envs // 2, os.cpu_count())
@@ -186,9 +202,9 @@ if __name__ == "__main__":
             inference, learner = network_sps(env_id, args.seconds, args.num_envs // 2, os.cpu_count(), precision == "bf16")
             compute = 1 / (1 / inference + 1 / learner)
             rows.setdefault(f"inference alone, batches of {args.num_envs // 2}", {})[precision] = inference
-            rows.setdefault("learner alone, 20 x 32 steps per update", {})[precision] = learner
+            rows.setdefault("learner alone (incl. batching and copy)", {})[precision] = learner
             rows.setdefault("bare compute: inference + learner, no env", {})[precision] = compute
-            rows.setdefault("ceiling: 1 / (1 / EnvPool + 1 / compute)", {})[precision] = 1 / (1 / envpool_sps + 1 / compute)
+            rows.setdefault(CEILING, {})[precision] = min(envpool_sps, compute) if gpu else 1 / (1 / envpool_sps + 1 / compute)
             for script in args.scripts:
                 if os.path.exists(os.path.join(ROOT, script)):
                     extra = ["--num-envs", args.num_envs] if script == "impala_poly.py" else []
@@ -198,7 +214,7 @@ if __name__ == "__main__":
         print(f"\n{env_id} ({os.cpu_count()} cores): gymnasium + ale-py, 1 env, random actions: {gym_sps:.0f} steps/s; "
               f"EnvPool async, {args.num_envs} envs, random actions: {envpool_sps:.0f} steps/s; poly's actor loop on "
               f"that pool with a free policy: {acting_sps:.0f} steps/s ({acting_sps / envpool_sps:.2f} of raw EnvPool)")
-        ceiling = rows["ceiling: 1 / (1 / EnvPool + 1 / compute)"]
+        ceiling = rows[CEILING]
         header = "".join(f" {p + ' (/ ceiling)':>20} |" for p in args.precisions)
         ratio = len(args.precisions) == 2
         print(f"| {'steps/s':<45} |{header}" + (f" {'bf16 / float32':>14} |" if ratio else ""))
