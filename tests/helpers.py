@@ -72,12 +72,15 @@ def train(script, env_id, total_timesteps, flags, cwd, timeout=600, precision=No
     return run_dir
 
 
-def train_returns(script, env_id, total_timesteps, flags, cwd, n=20):
-    """Trains `script` on `env_id` for `total_timesteps` steps; returns the last `n` full-game returns it logged."""
+def steps_to_return(script, env_id, total_timesteps, flags, cwd, threshold, n=20):
+    """Trains `script` on `env_id` for `total_timesteps` steps; returns the step at which the mean of `n` consecutive
+    full-game returns first reached `threshold` (None if it never did), and the last `n` returns."""
     run_dir = train(script, env_id, total_timesteps, flags, cwd, timeout=900)
-    returns = [value for _, value in scalars(run_dir, "charts/episodic_return")]
-    assert len(returns) >= n, returns
-    return returns[-n:]
+    logged = scalars(run_dir, "charts/episodic_return")
+    assert len(logged) >= n, logged
+    returns = [value for _, value in logged]
+    reached = [step for i, (step, _) in enumerate(logged) if i >= n - 1 and np.mean(returns[i - n + 1: i + 1]) >= threshold]
+    return (reached[0] if reached else None), returns[-n:]
 
 
 def check_run(run_dir, updates, steps_per_update):

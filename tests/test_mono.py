@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, UPDATES_THEN_EVAL_CASES, error_line, run, run_dirs, scalars, train, train_returns, train_then_eval
+from helpers import ROOT, UPDATES_THEN_EVAL_CASES, error_line, run, run_dirs, scalars, steps_to_return, train, train_then_eval
 from impala_mono import AtariEnv
 
 SCRIPT = "impala_mono.py"
@@ -47,11 +47,12 @@ def test_atari_env_matches_envpool(game):
 
 @pytest.mark.learning
 def test_cartpole_learns(tmp_path):
-    """Default flags solve CartPole-v1: mean of the last 20 full-game returns >= 400 after 1.5M steps (about 2 minutes
-    here). Seeds 1, 2 and 3 ended at 499, 494 and 450, each above 400 from about 0.5M steps on (runs are asynchronous,
-    so a seed does not fix their course)."""
-    returns = train_returns(SCRIPT, "CartPole-v1", 1_500_000, ["--seed", 1], tmp_path)
-    assert np.mean(returns) >= 400, returns
+    """Default flags learn CartPole-v1 fast: the mean of 20 consecutive full-game returns reaches 400 within the first
+    300k steps of a 500k-step run. Seeds 1-5 reached it after 151k, 131k, 146k, 170k and 137k steps and ended at
+    440, 457, 492, 470 and 387 (mean of the last 20); with the paper's batch of 32, 4 of 5 seeds reached it, at
+    173k-454k. Runs are asynchronous, so a seed does not fix their course."""
+    reached, last = steps_to_return(SCRIPT, "CartPole-v1", 500_000, ["--seed", 1], tmp_path, threshold=400)
+    assert reached is not None and reached <= 300_000, (reached, last)
 
 
 @pytest.mark.parametrize("lstm, flags, precision", UPDATES_THEN_EVAL_CASES)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, UPDATES_THEN_EVAL_CASES, check_run, error_line, run, run_dirs, scalars, train_returns, train_then_eval
+from helpers import ROOT, UPDATES_THEN_EVAL_CASES, check_run, error_line, run, run_dirs, scalars, steps_to_return, train_then_eval
 from impala_poly import ActingPolicy, Agent, GameTracker, RolloutAssembler, actor_loop, make_env
 
 SCRIPT = "impala_poly.py"
@@ -140,10 +140,12 @@ def test_actor_loop_batches(use_lstm):
 
 @pytest.mark.learning
 def test_cartpole_learns(tmp_path):
-    """Default flags solve CartPole-v1: mean of the last 20 full-game returns >= 400 after 1.5M steps (about a minute
-    here)."""
-    returns = train_returns(SCRIPT, "CartPole-v1", 1_500_000, ["--seed", 1], tmp_path)
-    assert np.mean(returns) >= 400, returns
+    """Default flags learn CartPole-v1 fast: the mean of 20 consecutive full-game returns reaches 400 within the first
+    300k steps of a 500k-step run. Seeds 1-5 reached it after 205k, 144k, 200k, 175k and 186k steps and ended at
+    462, 448, 476, 455 and 452 (mean of the last 20); with the paper's batch of 32, 2 of 5 seeds reached it (at 227k and 364k). Runs are
+    asynchronous, so a seed does not fix their course."""
+    reached, last = steps_to_return(SCRIPT, "CartPole-v1", 500_000, ["--seed", 1], tmp_path, threshold=400)
+    assert reached is not None and reached <= 300_000, (reached, last)
 
 
 @pytest.mark.parametrize("lstm, flags, precision", UPDATES_THEN_EVAL_CASES)
