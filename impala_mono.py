@@ -83,7 +83,7 @@ class Args:
     unroll_length: int = 20
     """the number of steps in each rollout (T)"""
     batch_size: int = 8
-    """the number of rollouts (trajectories) in each learner update (B); the paper's 32 learned 2x slower per frame"""
+    """the number of rollouts (trajectories) in each learner update (B); the paper's 32 learned slower per frame (README)"""
     num_buffers: Optional[int] = None
     """shared-memory rollout slots; default: 2 * (num_actors * num_envs_per_actor + batch_size)"""
     num_learner_threads: int = 1

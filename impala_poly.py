@@ -86,7 +86,7 @@ class Args:
     unroll_length: int = 20
     """the number of steps in each rollout (T)"""
     batch_size: int = 8
-    """the number of rollouts (trajectories) in each learner update (B); the paper's 32 learned 2x slower per frame"""
+    """the number of rollouts (trajectories) in each learner update (B); the paper's 32 learned slower per frame (README)"""
     queue_size: int = 2
     """the most batches waiting for the learner; when it is full the envs wait, which bounds the policy lag"""
     num_torch_threads: Optional[int] = None
