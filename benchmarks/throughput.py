@@ -113,7 +113,7 @@ def acting_loop_sps(env_id, seconds, num_envs, batch_size, num_threads):
 def network_sps(env_id, seconds, env_batch_size, num_threads, bf16):
     """Steps/s of the default network alone, no env, on the scripts' device (CUDA where there is one): (inference,
     learner). Inference is the acting copy's `act` on batches of `env_batch_size` observations, from numpy to the
-    actions back in numpy; the learner is poly's: `stack_rollouts` of B = 32 rollouts of T = 20 steps, the copy to the
+    actions back in numpy; the learner is poly's: `stack_rollouts` of B rollouts of T steps (the defaults), the copy to the
     device, `compute_loss`, backward and the RMSProp step. Each gets half of `seconds`, with `num_threads` torch threads."""
     sys.path.insert(0, ROOT)
     import torch
