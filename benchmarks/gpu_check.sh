@@ -4,12 +4,12 @@
 # the one GPU (ranks that share a GPU all-reduce with gloo). Figures go to stdout; runs/ lands in a temporary folder.
 #
 #     bash benchmarks/gpu_check.sh                       # Breakout-v5, 256 envs, as on the device
-#     ENV_ID=CartPole-v1 NUM_ENVS=16 SECONDS=4 TRAIN_SECONDS=30 RANK_STEPS=20000 bash benchmarks/gpu_check.sh  # CPU try-out
+#     ENV_ID=CartPole-v1 NUM_ENVS=16 ENTRY_SECONDS=4 TRAIN_SECONDS=30 RANK_STEPS=20000 bash benchmarks/gpu_check.sh  # CPU try-out
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ENV_ID=${ENV_ID:-Breakout-v5}
 NUM_ENVS=${NUM_ENVS:-256}
-SECONDS_EACH=${SECONDS:-20}        # each throughput entry
+ENTRY_SECONDS=${ENTRY_SECONDS:-20}  # each throughput entry (not SECONDS: bash's own clock, 0 at start)
 TRAIN_SECONDS=${TRAIN_SECONDS:-180}
 RANK_STEPS=${RANK_STEPS:-400000}   # the torchrun leg: total steps over both ranks
 WORK=$(mktemp -d)
@@ -21,7 +21,7 @@ echo "cores: $(nproc)"
 python -c "import torch, envpool; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available(), 'envpool', envpool.__version__)"
 
 echo "== throughput: $ENV_ID, $NUM_ENVS envs"
-python "$ROOT/benchmarks/throughput.py" --env-ids "$ENV_ID" --num-envs "$NUM_ENVS" --seconds "$SECONDS_EACH" \
+python "$ROOT/benchmarks/throughput.py" --env-ids "$ENV_ID" --num-envs "$NUM_ENVS" --seconds "$ENTRY_SECONDS" \
     --warmup 30 --scripts impala_poly.py --precisions bf16 2>&1 | grep -v -i warn
 
 echo "== training: impala_poly.py --env-id $ENV_ID --num-envs $NUM_ENVS for $TRAIN_SECONDS s"
