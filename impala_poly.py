@@ -328,12 +328,13 @@ class RolloutAssembler:
             self.steps[key][env_ids, t] = value
         rollouts = []
         if t.max() == T:  # one copy per key for all the envs that finished, then a view of it per rollout
-            finished = env_ids[t == T]
+            ended = t == T
+            finished = env_ids[ended]
             done = {key: buffer[finished] for key, buffer in (*self.steps.items(), *self.starts.items())}
             rollouts = [{key: value[i] for key, value in done.items()} for i in range(len(finished))]
             for buffer in self.steps.values():
                 buffer[finished, 0] = buffer[finished, T]
-            t = np.where(t == T, 0, t)  # their step T is the next rollout's step 0
+            t = np.where(ended, 0, t)  # their step T is the next rollout's step 0
         starting = t == 0
         for key, value in start.items():
             self.starts[key][env_ids[starting]] = value[starting]
