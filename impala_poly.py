@@ -205,7 +205,7 @@ class Agent(nn.Module):
         self.dtype = torch.bfloat16 if bf16 else torch.float32  # what the forward computes in
         if len(obs_shape) == 1:
             self.obs_scale, hidden = 1.0, obs_shape[0]
-            self.torso = nn.Identity()
+            self.torso = nn.Sequential()  # empty: the identity
         elif network == "shallow":
             self.obs_scale, hidden = 255.0, 512
             self.torso = nn.Sequential(
@@ -244,8 +244,13 @@ class Agent(nn.Module):
             x = obs.flatten(0, 1)
             if x.dim() == 4:  # frames: NHWC like the weights, converted while still uint8
                 x = x.contiguous(memory_format=torch.channels_last)
-            x = self.torso(x.to(self.dtype) / self.obs_scale).view(T, B, -1)
-            self.features = x.detach()  # the torso's output, for the dead-units diagnostic
+            x = x.to(self.dtype) / self.obs_scale
+            self.features = []  # the output of each of the torso's ReLUs, for the dead-units diagnostic
+            for layer in self.torso:
+                x = layer(x)
+                if isinstance(layer, nn.ReLU):
+                    self.features.append(x.detach())
+            x = x.view(T, B, -1)
             if self.lstm is not None:
                 h, c = core_state
                 outputs = []
@@ -471,8 +476,8 @@ def compute_loss(agent, batch, args):
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum()
     stats = {"losses/policy_loss": policy_loss, "losses/value_loss": value_loss, "losses/entropy": entropy.mean(),
              "losses/loss": loss, "stats/value": values[:-1].mean()}
-    if not isinstance(agent.torso, nn.Identity):  # a torso unit that is 0 on every step of the batch learns nothing from it
-        stats["stats/dead_units"] = (agent.features.flatten(0, 1) <= 0).all(0).float().mean()
+    for i, features in enumerate(agent.features, 1):  # a unit (a conv's channel) 0 on every step learns nothing from it
+        stats[f"stats/dead_units_{i}"] = (features <= 0).transpose(0, 1).flatten(1).all(1).float().mean()
     return loss, stats
 
 

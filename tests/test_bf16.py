@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from helpers import breakout_batch, cpu_has_bf16
 import impala_mono
@@ -70,21 +71,27 @@ def test_default_follows_the_cpu(script):
 
 @pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])
 def test_diagnostics(script):
-    """stats/value is the mean baseline over the batch's steps; stats/dead_units the share of torso outputs that are 0
-    on every step: all of them when the torso's last layer is biased far below 0, none when biased far above."""
+    """stats/value is the mean baseline over the batch's steps; stats/dead_units_i the share of the units of the torso's
+    i-th ReLU layer (channels of a conv) that are 0 on every step: all of them when the layer is biased far below 0,
+    none when biased far above; a dead first conv layer leaves the layers after it only their biases (dead at 0)."""
     torch.manual_seed(0)
     agent = script.Agent((4, 84, 84), 4)
     args = script.Args(env_id="Breakout-v5")
     batch = breakout_batch(agent)
+    conv1, conv2, conv3, linear = agent.torso[0], agent.torso[2], agent.torso[4], agent.torso[7]
     with torch.no_grad():
         _, values, _ = agent(batch["obs"], torch.zeros(21, 8, dtype=torch.bool), ())
-        features = agent.torso(batch["obs"].flatten(0, 1).float() / 255.0)
+        h1 = F.relu(conv1(batch["obs"].flatten(0, 1).float() / 255.0))  # [N, C, H, W]
+        h2 = F.relu(conv2(h1))
+        h3 = F.relu(conv3(h2))
+        h4 = F.relu(linear(h3.reshape(len(h3), -1)))  # [N, 512]
+    expected = [(h <= 0).all(dim=(0, 2, 3)).float().mean().item() for h in (h1, h2, h3)] + [(h4 <= 0).all(0).float().mean().item()]
     _, stats = script.compute_loss(agent, batch, args)
     assert stats["stats/value"].item() == pytest.approx(values[:-1].mean().item(), rel=1e-5)
-    assert stats["stats/dead_units"].item() == pytest.approx((features <= 0).all(0).float().mean().item())
-    assert 0 < stats["stats/dead_units"].item() < 1
-    last_linear = agent.torso[-2]
-    for bias, dead in ((-1e3, 1.0), (1e3, 0.0)):
+    assert [stats[f"stats/dead_units_{i}"].item() for i in (1, 2, 3, 4)] == pytest.approx(expected)
+    assert 0 < expected[3] < 1
+    for layer, bias, dead in ((linear, -1e3, [0, 0, 0, 1]), (conv1, -1e3, [1, 1, 1, 1]), (linear, 1e3, [1, 1, 1, 0])):
         with torch.no_grad():
-            last_linear.bias.fill_(bias)
-        assert script.compute_loss(agent, batch, args)[1]["stats/dead_units"].item() == dead
+            layer.bias.fill_(bias)
+        stats = script.compute_loss(agent, batch, args)[1]
+        assert [stats[f"stats/dead_units_{i}"].item() for i in (1, 2, 3, 4)] == dead
