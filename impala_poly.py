@@ -77,9 +77,8 @@ class Args:
     """total environment steps over all actors (an Atari step is 4 frames)"""
 
     # Algorithm specific arguments
-    num_envs: Optional[int] = None
-    """the number of environments in the EnvPool pool of each rank; default: 16 for Atari (two batches: a small policy
-    lag, README), 64 for classic control"""
+    num_envs: int = 64
+    """the number of environments in the EnvPool pool of each rank"""
     env_batch_size: Optional[int] = None
     """the number of envs each `recv()` returns (EnvPool's async batch); default: num_envs // 2"""
     num_threads: Optional[int] = None
@@ -539,8 +538,6 @@ def check_args(args):
                  "queue_size", "num_torch_threads", "eval_episodes", "stall_timeout", "video_interval"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.num_envs is None:
-        args.num_envs = 16 if is_atari(args.env_id) else 64
     if args.env_batch_size is None:
         args.env_batch_size = max(1, args.num_envs // 2)
     if args.env_batch_size > args.num_envs:

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from helpers import ROOT, UPDATES_THEN_EVAL_CASES, check_run, error_line, run, run_dirs, scalars, steps_to_return, train_then_eval
-import impala_poly
 from impala_poly import ActingPolicy, Agent, GameTracker, RolloutAssembler, actor_loop, make_env
 
 SCRIPT = "impala_poly.py"
@@ -301,21 +300,13 @@ def test_torchrun_restarts_refused_where_they_could_not_work(tmp_path, store, ru
     (["--env-id", "CartPole-v1", "--num-envs", 0], "error: --num-envs must be positive, got 0"),
     (["--env-id", "CartPole-v1", "--num-envs", 4, "--env-batch-size", 8], "error: --env-batch-size 8 is larger than --num-envs 4"),
     (["--env-id", "CartPole-v1", "--resume", "nowhere.pt"], "error: --resume nowhere.pt: no such file"),
-    # (1e8 envs + 4 x 8 batched rollouts) x 21 steps x 4 x 84 x 84 bytes
+    # (1e8 envs + 4 x 32 batched rollouts) x 21 steps x 4 x 84 x 84 bytes
     (["--env-id", "Pong-v5", "--num-envs", 10**8], "error: --num-envs 100000000 needs 55199.9 GiB of rollout buffers, but"),
     (["--env-id", "CartPole-v1", "--stall-timeout", 0], "error: --stall-timeout must be positive, got 0.0"),
 ])
 def test_bad_input(tmp_path, flags, message):
     assert error_line(run(SCRIPT, *flags, cwd=tmp_path)).startswith(message)
     assert not os.path.exists(tmp_path / "runs")
-
-
-@pytest.mark.parametrize("env_id, num_envs", [("Pong-v5", 16), ("CartPole-v1", 64)])
-def test_default_num_envs(env_id, num_envs):
-    """Atari defaults to 16 envs, two batches of 8 (a small policy lag); classic control to 64; recv() returns half."""
-    args = impala_poly.Args(env_id=env_id)
-    impala_poly.check_args(args)
-    assert (args.num_envs, args.env_batch_size, args.batch_size) == (num_envs, num_envs // 2, 8)
 
 
 def test_dead_node_stops_the_other(tmp_path):
