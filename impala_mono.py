@@ -243,8 +243,7 @@ def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
 class ResidualBlock(nn.Module):
     def __init__(self, channels):
         super().__init__()
-        self.conv0 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
-        self.conv1 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+        self.conv0, self.conv1 = nn.Conv2d(channels, channels, 3, padding=1), nn.Conv2d(channels, channels, 3, padding=1)
 
     def forward(self, x):
         return x + self.conv1(torch.relu(self.conv0(torch.relu(x))))
@@ -262,11 +261,9 @@ class ConvSequence(nn.Module):
 
 
 def mlp(in_features, out_features, std, hidden=256):
-    return nn.Sequential(
-        layer_init(nn.Linear(in_features, hidden)), nn.ReLU(),
-        layer_init(nn.Linear(hidden, hidden)), nn.ReLU(),
-        layer_init(nn.Linear(hidden, out_features), std=std),
-    )
+    return nn.Sequential(layer_init(nn.Linear(in_features, hidden)), nn.ReLU(),
+                         layer_init(nn.Linear(hidden, hidden)), nn.ReLU(),
+                         layer_init(nn.Linear(hidden, out_features), std=std))
 
 
 class Agent(nn.Module):
@@ -281,18 +278,14 @@ class Agent(nn.Module):
             self.torso = nn.Sequential()  # empty: the identity
         elif network == "shallow":
             self.obs_scale, hidden = 255.0, 512
-            self.torso = nn.Sequential(
-                layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)), nn.ReLU(),
-                layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-                layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
-                nn.Flatten(), layer_init(nn.Linear(64 * 7 * 7, hidden)), nn.ReLU(),
-            )
+            self.torso = nn.Sequential(layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)), nn.ReLU(),
+                                       layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+                                       layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
+                                       nn.Flatten(), layer_init(nn.Linear(64 * 7 * 7, hidden)), nn.ReLU())
         else:
             self.obs_scale, hidden = 255.0, 256
-            self.torso = nn.Sequential(
-                ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32),
-                nn.Flatten(), nn.ReLU(), layer_init(nn.Linear(32 * 11 * 11, hidden)), nn.ReLU(),
-            )
+            self.torso = nn.Sequential(ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32),
+                                       nn.Flatten(), nn.ReLU(), layer_init(nn.Linear(32 * 11 * 11, hidden)), nn.ReLU())
         self.lstm = nn.LSTMCell(hidden, max(hidden, 64)) if use_lstm else None
         core_size = self.lstm.hidden_size if use_lstm else hidden
         if len(obs_shape) == 1:
@@ -304,9 +297,7 @@ class Agent(nn.Module):
 
     def initial_state(self, batch_size):
         """The core state (h, c), each [B, hidden]; () without an LSTM."""
-        if self.lstm is None:
-            return ()
-        return tuple(torch.zeros(batch_size, self.lstm.hidden_size) for _ in range(2))
+        return () if self.lstm is None else tuple(torch.zeros(batch_size, self.lstm.hidden_size) for _ in range(2))
 
     def forward(self, obs, first, core_state):
         """obs [T, B, *obs_shape], first [T, B] (True where an episode starts) -> logits [T, B, A], values [T, B], core_state."""
@@ -499,15 +490,8 @@ def compute_loss(agent, batch, args):
     # (vs = V(final obs)) and gives the step no advantage.
     log_rhos = (target_log_probs - behavior_log_probs).masked_fill(done[:-1], float("-inf"))
     vtrace_returns = vtrace.from_importance_weights(
-        log_rhos=log_rhos,
-        discounts=discounts,
-        rewards=rewards,
-        values=values[:-1],
-        bootstrap_value=values[-1],
-        clip_rho_threshold=args.clip_rho_threshold,
-        clip_pg_rho_threshold=args.clip_pg_rho_threshold,
-        lambda_=args.vtrace_lambda,
-    )
+        log_rhos=log_rhos, discounts=discounts, rewards=rewards, values=values[:-1], bootstrap_value=values[-1],
+        clip_rho_threshold=args.clip_rho_threshold, clip_pg_rho_threshold=args.clip_pg_rho_threshold, lambda_=args.vtrace_lambda)
     policy_loss = -(vtrace_returns.pg_advantages * target_log_probs).sum()
     value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
     entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
@@ -591,9 +575,8 @@ def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
     if not all(torch.isfinite(p).all() for p in agent.parameters()):
         print(f"error: the parameters are not finite at global_step={global_step}: {path} not overwritten", file=sys.stderr)
         return False
-    checkpoint = dict(model=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=global_step,
-                      num_updates=num_updates, args=vars(args))
-    torch.save(checkpoint, path + ".tmp")
+    torch.save(dict(model=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=global_step,
+                    num_updates=num_updates, args=vars(args)), path + ".tmp")
     if os.path.exists(path):
         previous = path[: -len(".pt")] + ".prev.pt"
         shutil.copyfile(path, previous + ".tmp")
@@ -647,14 +630,10 @@ if __name__ == "__main__":
         import wandb  # only with --track
 
         args.wandb_id = checkpoint["args"].get("wandb_id") if checkpoint else None
-        args.wandb_id = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                                   config=vars(args), name=args.run_name, monitor_gym=False, save_code=True,
-                                   id=args.wandb_id, resume="allow").id
+        args.wandb_id = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
+                                   name=args.run_name, monitor_gym=False, save_code=True, id=args.wandb_id, resume="allow").id
     writer = SummaryWriter(run_dir, purge_step=global_step + 1 if args.resume else None)  # drop what was logged after the checkpoint
-    writer.add_text(
-        "hyperparameters",
-        "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in vars(args).items()])),
-    )
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{key}|{value}|" for key, value in vars(args).items()))
     print(f"{run_dir}: learner on {device}, network forward in {str(agent.dtype)[len('torch.'):]}", flush=True)
 
     # TRY NOT TO MODIFY: start the actors
@@ -667,11 +646,8 @@ if __name__ == "__main__":
         free_queue.put(index)
     actors = []
     for actor_index in range(args.num_actors):
-        process = ctx.Process(
-            target=actor,
-            args=(actor_index, args, actor_agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop),
-            daemon=True,
-        )
+        process = ctx.Process(target=actor, daemon=True,
+                              args=(actor_index, args, actor_agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop))
         # The main process shuts the actors down (`stop`): Ctrl-C and SIGTERM go to it alone.
         sigint, sigterm = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
         process.start()
@@ -742,15 +718,12 @@ if __name__ == "__main__":
             stop.set()
 
     # TRY NOT TO MODIFY: run until done, watching the actors; save on the way out
-    def interrupt(signum, frame):  # set for both: a shell's background job starts with SIGINT ignored
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
+    # Both raise KeyboardInterrupt (the handler is set for SIGINT too: a shell's background job starts with it ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     learners = [threading.Thread(target=learner_thread) for _ in range(args.num_learner_threads)]
-    start_time, start_step = time.time(), global_step
-    last_log = last_checkpoint = last_progress = start_time
-    last_progress_step = global_step
+    start_time = last_log = last_checkpoint = last_progress = time.time()
+    start_step = last_progress_step = global_step
     recent_returns = collections.deque(maxlen=20)
     exit_code = 0
     try:

@@ -13,6 +13,7 @@ and Cleanba (async EnvPool, one bounded queue to the learner); the agent and the
 """
 
 import collections
+import contextlib
 import copy
 import importlib.util
 import os
@@ -170,8 +171,7 @@ def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
 class ResidualBlock(nn.Module):
     def __init__(self, channels):
         super().__init__()
-        self.conv0 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
-        self.conv1 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+        self.conv0, self.conv1 = nn.Conv2d(channels, channels, 3, padding=1), nn.Conv2d(channels, channels, 3, padding=1)
 
     def forward(self, x):
         return x + self.conv1(torch.relu(self.conv0(torch.relu(x))))
@@ -189,11 +189,9 @@ class ConvSequence(nn.Module):
 
 
 def mlp(in_features, out_features, std, hidden=256):
-    return nn.Sequential(
-        layer_init(nn.Linear(in_features, hidden)), nn.ReLU(),
-        layer_init(nn.Linear(hidden, hidden)), nn.ReLU(),
-        layer_init(nn.Linear(hidden, out_features), std=std),
-    )
+    return nn.Sequential(layer_init(nn.Linear(in_features, hidden)), nn.ReLU(),
+                         layer_init(nn.Linear(hidden, hidden)), nn.ReLU(),
+                         layer_init(nn.Linear(hidden, out_features), std=std))
 
 
 class Agent(nn.Module):
@@ -208,18 +206,14 @@ class Agent(nn.Module):
             self.torso = nn.Sequential()  # empty: the identity
         elif network == "shallow":
             self.obs_scale, hidden = 255.0, 512
-            self.torso = nn.Sequential(
-                layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)), nn.ReLU(),
-                layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-                layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
-                nn.Flatten(), layer_init(nn.Linear(64 * 7 * 7, hidden)), nn.ReLU(),
-            )
+            self.torso = nn.Sequential(layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)), nn.ReLU(),
+                                       layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+                                       layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
+                                       nn.Flatten(), layer_init(nn.Linear(64 * 7 * 7, hidden)), nn.ReLU())
         else:
             self.obs_scale, hidden = 255.0, 256
-            self.torso = nn.Sequential(
-                ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32),
-                nn.Flatten(), nn.ReLU(), layer_init(nn.Linear(32 * 11 * 11, hidden)), nn.ReLU(),
-            )
+            self.torso = nn.Sequential(ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32),
+                                       nn.Flatten(), nn.ReLU(), layer_init(nn.Linear(32 * 11 * 11, hidden)), nn.ReLU())
         self.lstm = nn.LSTMCell(hidden, max(hidden, 64)) if use_lstm else None
         core_size = self.lstm.hidden_size if use_lstm else hidden
         if len(obs_shape) == 1:
@@ -231,9 +225,7 @@ class Agent(nn.Module):
 
     def initial_state(self, batch_size):
         """The core state (h, c), each [B, hidden]; () without an LSTM."""
-        if self.lstm is None:
-            return ()
-        return tuple(torch.zeros(batch_size, self.lstm.hidden_size) for _ in range(2))
+        return () if self.lstm is None else tuple(torch.zeros(batch_size, self.lstm.hidden_size) for _ in range(2))
 
     def forward(self, obs, first, core_state):
         """obs [T, B, *obs_shape], first [T, B] (True where an episode starts) -> logits [T, B, A], values [T, B], core_state."""
@@ -333,13 +325,12 @@ class RolloutAssembler:
             self.steps[key][env_ids, t] = value
         rollouts = []
         if t.max() == T:  # one copy per key for all the envs that finished, then a view of it per rollout
-            ended = t == T
-            finished = env_ids[ended]
+            finished = env_ids[t == T]
             done = {key: buffer[finished] for key, buffer in (*self.steps.items(), *self.starts.items())}
             rollouts = [{key: value[i] for key, value in done.items()} for i in range(len(finished))]
             for buffer in self.steps.values():
                 buffer[finished, 0] = buffer[finished, T]
-            t = np.where(ended, 0, t)  # their step T is the next rollout's step 0
+            t = np.where(t == T, 0, t)  # their step T is the next rollout's step 0
         starting = t == 0
         for key, value in start.items():
             self.starts[key][env_ids[starting]] = value[starting]
@@ -427,11 +418,9 @@ def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device,
             batch = stack_rollouts(rollouts[: args.batch_size], pin_memory=device.type == "cuda")
             rollouts = rollouts[args.batch_size:]
             while not stop.is_set():
-                try:
+                with contextlib.suppress(queue.Full):
                     batch_queue.put(batch, timeout=0.5)
                     break
-                except queue.Full:
-                    pass
         timings["recv"] += act_start - recv_start
         timings["act"] += put_start - act_start
         timings["queue"] += time.time() - put_start
@@ -461,15 +450,8 @@ def compute_loss(agent, batch, args):
     # (vs = V(final obs)) and gives the step no advantage.
     log_rhos = (target_log_probs - behavior_log_probs).masked_fill(done[:-1], float("-inf"))
     vtrace_returns = vtrace.from_importance_weights(
-        log_rhos=log_rhos,
-        discounts=discounts,
-        rewards=rewards,
-        values=values[:-1],
-        bootstrap_value=values[-1],
-        clip_rho_threshold=args.clip_rho_threshold,
-        clip_pg_rho_threshold=args.clip_pg_rho_threshold,
-        lambda_=args.vtrace_lambda,
-    )
+        log_rhos=log_rhos, discounts=discounts, rewards=rewards, values=values[:-1], bootstrap_value=values[-1],
+        clip_rho_threshold=args.clip_rho_threshold, clip_pg_rho_threshold=args.clip_pg_rho_threshold, lambda_=args.vtrace_lambda)
     policy_loss = -(vtrace_returns.pg_advantages * target_log_probs).sum()
     value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
     entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
@@ -490,10 +472,8 @@ def all_reduce_gradients(agent, stop, world_size):
     dist.all_reduce(flat)
     if flat[-1].item() > 0:
         return True
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p) / world_size)
-        offset += p.numel()
+    for p, grad in zip(params, flat[:-1].split([p.numel() for p in params])):
+        p.grad.copy_(grad.view_as(p) / world_size)
     return False
 
 
@@ -515,15 +495,6 @@ def evaluate(args, policy, device):
     return np.array(returns[: args.eval_episodes])
 
 
-def available_memory():
-    """Bytes of memory available for new allocations (Linux's MemAvailable); None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
-
-
 def check_args(args):
     """Exits with a one-line error on bad input, before anything is started."""
     try:
@@ -538,8 +509,7 @@ def check_args(args):
                  "queue_size", "num_torch_threads", "eval_episodes", "stall_timeout", "video_interval"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.env_batch_size is None:
-        args.env_batch_size = max(1, args.num_envs // 2)
+    args.env_batch_size = args.env_batch_size or max(1, args.num_envs // 2)  # unset (None) or positive by now
     if args.env_batch_size > args.num_envs:
         sys.exit(f"error: --env-batch-size {args.env_batch_size} is larger than --num-envs {args.num_envs}: "
                  "each recv() returns at most all the envs")
@@ -547,7 +517,11 @@ def check_args(args):
     obs_bytes = int(np.prod(spec.observation_space.shape)) * spec.observation_space.dtype.itemsize
     needed = (args.num_envs + (args.queue_size + 2) * args.batch_size) * (args.unroll_length + 1) * obs_bytes
     needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    available = available_memory()
+    try:  # bytes of memory available for new allocations (Linux's MemAvailable); None where unknown
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        available = None
     if available is not None and needed > available:
         sys.exit(f"error: --num-envs {args.num_envs} needs {needed / 2**30:.1f} GiB of rollout buffers, but "
                  f"{available / 2**30:.1f} GiB of memory is available: lower --num-envs, --batch-size or --unroll-length")
@@ -561,17 +535,15 @@ def check_args(args):
     # 2 + 1; in bf16 the network is cheaper, and 2 + 1 ran 1.16x faster than 2 + 2. Classic control gets 1 + 1: one
     # thread steps ~400k CartPole steps/s, and on 2 cores 1 + 1 ran 1.1x faster than 2 + 2 (fewer threads competing).
     cores = max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if is_atari(args.env_id) else 1
-    args.num_threads = cores if args.num_threads is None else args.num_threads
-    if args.num_torch_threads is None:
-        args.num_torch_threads = max(1, cores // 2) if args.bf16 else cores
+    args.num_threads = args.num_threads or cores
+    args.num_torch_threads = args.num_torch_threads or (max(1, cores // 2) if args.bf16 else cores)
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):  # restarts: see "Restarts" in the README
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             sys.exit("error: torchrun --max-restarts: restarted ranks would read the dead ranks' addresses from torchrun's "
                      "shared store: launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (across nodes also --rdzv-backend c10d)")
         if os.environ.get("TORCHELASTIC_RUN_ID") == "none" and not (args.run_name or args.resume):
             sys.exit("error: torchrun --max-restarts needs a run folder that every restart finds: pass --run-name or torchrun --rdzv-id")
-    for name in ("resume", "eval_checkpoint"):
-        path = getattr(args, name)
+    for name, path in (("resume", args.resume), ("eval_checkpoint", args.eval_checkpoint)):
         if path is not None and not os.path.isfile(path) and os.environ.get("RANK", "0") == "0":
             sys.exit(f"error: --{name.replace('_', '-')} {path}: no such file")
 
@@ -595,9 +567,8 @@ def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
     if not all(torch.isfinite(p).all() for p in agent.parameters()):
         print(f"error: the parameters are not finite at global_step={global_step}: {path} not overwritten", file=sys.stderr)
         return False
-    checkpoint = dict(model=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=global_step,
-                      num_updates=num_updates, args=vars(args))
-    torch.save(checkpoint, path + ".tmp")
+    torch.save(dict(model=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=global_step,
+                    num_updates=num_updates, args=vars(args)), path + ".tmp")
     if os.path.exists(path):
         previous = path[: -len(".pt")] + ".prev.pt"
         shutil.copyfile(path, previous + ".tmp")
@@ -673,10 +644,8 @@ if __name__ == "__main__":
                                        config=vars(args), name=args.run_name, monitor_gym=False, save_code=True,
                                        id=args.wandb_id, resume="allow").id
         writer = SummaryWriter(run_dir, purge_step=global_step + 1 if checkpoint else None)  # drop what was logged after the checkpoint
-        writer.add_text(
-            "hyperparameters",
-            "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in {**vars(args), "world_size": world_size}.items()])),
-        )
+        table = "\n".join(f"|{key}|{value}|" for key, value in {**vars(args), "world_size": world_size}.items())
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
         resumed = f", continuing {load_path} at global_step={global_step}" if restart else ""
         print(f"{run_dir}: training on {world_size} x {device}, network forward in {str(agent.dtype)[len('torch.'):]}{resumed}", flush=True)
 
@@ -690,8 +659,7 @@ if __name__ == "__main__":
     batch_queue = queue.Queue(maxsize=args.queue_size)
     episodes = collections.deque()  # (return, length) of finished games
     timings = collections.Counter()  # actor seconds in recv, inference (+ assembly) and waiting on the full queue
-    stop = threading.Event()
-    learn_lock = threading.Lock()
+    stop, learn_lock = threading.Event(), threading.Lock()
     errors, params_in_sync = [], []
 
     def actor_thread():
@@ -705,24 +673,15 @@ if __name__ == "__main__":
             stop.set()
 
     # ALGO LOGIC: the learner
-    T, B = args.unroll_length, args.batch_size
-
-    def get_batch():
-        """A batch on the learner's device; None once `stop` is set."""
-        while not stop.is_set():
-            try:
-                return {key: value.to(device, non_blocking=True) for key, value in batch_queue.get(timeout=0.5).items()}
-            except queue.Empty:
-                pass
-        return None
-
     def learner_thread():
         global global_step, num_updates
         try:
             # Every rank does the same updates: the step count is the same on all of them, and a stop is agreed on.
             while global_step < args.total_timesteps:
-                wait_start = time.time()
-                batch = get_batch()
+                wait_start, batch = time.time(), None
+                while batch is None and not stop.is_set():  # a batch on the learner's device; None once `stop` is set
+                    with contextlib.suppress(queue.Empty):
+                        batch = {key: value.to(device, non_blocking=True) for key, value in batch_queue.get(timeout=0.5).items()}
                 with learn_lock:
                     update_start = time.time()
                     lr = args.learning_rate * (1.0 - global_step / args.total_timesteps if args.anneal_lr else 1.0)
@@ -731,31 +690,27 @@ if __name__ == "__main__":
                         loss, stats = compute_loss(agent, batch, args)
                         optimizer.zero_grad()
                         loss.backward()
-                    stopping = stop.is_set()
-                    if world_size > 1:
-                        stopping = all_reduce_gradients(agent, stopping, world_size)
+                    stopping = all_reduce_gradients(agent, stop.is_set(), world_size) if world_size > 1 else stop.is_set()
                     if stopping:
                         break
                     grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
                     if not torch.isfinite(grad_norm):  # after the all_reduce: every rank sees it and stops here
                         bad = ", ".join(key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)) or "the gradient"
-                        errors.append(f"update {num_updates + 1} at global_step={global_step} is not finite ({bad}): "
-                                      "not applied, the checkpoint keeps the parameters before it; "
-                                      "lower --learning-rate or check the rewards")
+                        errors.append(f"update {num_updates + 1} at global_step={global_step} is not finite ({bad}): not applied, "
+                                      "the checkpoint keeps the parameters before it; lower --learning-rate or check the rewards")
                         stop.set()
                         break
                     optimizer.step()
                     policy.update(agent, num_updates + 1)
                     policy_lag = num_updates - batch["policy_version"].float().mean().item()
                     num_updates += 1
-                    global_step += T * B * world_size
+                    global_step += args.unroll_length * args.batch_size * world_size
                     stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": grad_norm > args.max_grad_norm})
-                    for tag, value in zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()):  # one device sync
+                    stats = dict(zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()))  # one device sync
+                    stats.update({"charts/learning_rate": lr, "stats/policy_lag": policy_lag,
+                                  "stats/batch_wait_time": update_start - wait_start, "stats/update_time": time.time() - update_start})
+                    for tag, value in stats.items():
                         log(tag, value)
-                    log("charts/learning_rate", lr)
-                    log("stats/policy_lag", policy_lag)
-                    log("stats/batch_wait_time", update_start - wait_start)
-                    log("stats/update_time", time.time() - update_start)
             if world_size > 1:  # a cheap end-of-run check that the ranks stayed in step
                 flat = nn.utils.parameters_to_vector(agent.parameters()).detach()
                 low, high = flat.clone(), flat.clone()
@@ -768,15 +723,12 @@ if __name__ == "__main__":
             stop.set()
 
     # TRY NOT TO MODIFY: run until done; log, checkpoint, and save on the way out
-    def interrupt(signum, frame):  # set for both: a shell's background job starts with SIGINT ignored
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
+    # Both raise KeyboardInterrupt (the handler is set for SIGINT too: a shell's background job starts with it ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     actor, learner = threading.Thread(target=actor_thread), threading.Thread(target=learner_thread)
-    start_time, start_step = time.time(), global_step
-    last_log = last_checkpoint = last_progress = start_time
-    last_progress_step = global_step
+    start_time = last_log = last_checkpoint = last_progress = time.time()
+    start_step = last_progress_step = global_step
     recent_returns = collections.deque(maxlen=20)
     exit_code = 0
     try:
