@@ -243,7 +243,8 @@ def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
 class ResidualBlock(nn.Module):
     def __init__(self, channels):
         super().__init__()
-        self.conv0, self.conv1 = nn.Conv2d(channels, channels, 3, padding=1), nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv0 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
 
     def forward(self, x):
         return x + self.conv1(torch.relu(self.conv0(torch.relu(x))))
