@@ -26,18 +26,23 @@ def frames_per_step(env_id):
     return getattr(envpool.make_spec(env_id).config, "frame_skip", 1)
 
 
-def read_run(run_dir):
-    """[(global_step, hours of training, return)] of one run. Steps come from the folder's events as tensorboard
-    shows them (a resume purges what was logged after its checkpoint); time counts only within each session."""
-    sessions = []  # (first, last) wall time of each events file
+def sessions(run_dir):
+    """(first, last) wall time of each events file of a run, in time order: one per session (a resume starts one)."""
+    spans = []
     for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))):
         accumulator = EventAccumulator(path, size_guidance={"scalars": 0}).Reload()
         wall_times = [e.wall_time for tag in accumulator.Tags()["scalars"] for e in accumulator.Scalars(tag)]
         if wall_times:
-            sessions.append((min(wall_times), max(wall_times)))
-    sessions.sort()
-    starts = np.array([first for first, _ in sessions])
-    offsets = np.cumsum([0.0] + [last - first for first, last in sessions[:-1]])  # seconds trained before each session
+            spans.append((min(wall_times), max(wall_times)))
+    return sorted(spans)
+
+
+def read_run(run_dir):
+    """[(global_step, hours of training, return)] of one run. Steps come from the folder's events as tensorboard
+    shows them (a resume purges what was logged after its checkpoint); time counts only within each session."""
+    spans = sessions(run_dir)
+    starts = np.array([first for first, _ in spans])
+    offsets = np.cumsum([0.0] + [last - first for first, last in spans[:-1]])  # seconds trained before each session
     accumulator = EventAccumulator(run_dir, size_guidance={"scalars": 0}).Reload()
     if "charts/episodic_return" not in accumulator.Tags()["scalars"]:  # stopped before its first full game
         return []

@@ -39,9 +39,14 @@ def rollout_batch(agent, seed=0):
     reward = (torch.rand(T + 1, B, generator=g) * 6 - 3).round(decimals=1)
     reward[0] = 0.0
     reward[4, 0], reward[6, 1], reward[1, 2], reward[7, 2] = 0.0, 2.5, 0.0, 0.0
-    batch = dict(obs=torch.randn(T + 1, B, 4, generator=g), action=torch.randint(A, (T + 1, B), generator=g),
-                 reward=reward, terminated=terminated, truncated=truncated,
-                 logits=2.0 * torch.randn(T + 1, B, A, generator=g))
+    batch = {
+        "obs": torch.randn(T + 1, B, 4, generator=g),
+        "action": torch.randint(A, (T + 1, B), generator=g),
+        "reward": reward,
+        "terminated": terminated,
+        "truncated": truncated,
+        "logits": 2.0 * torch.randn(T + 1, B, A, generator=g),
+    }
     if agent.lstm is not None:
         batch["core_state"] = 0.1 * torch.randn(2, B, agent.lstm.hidden_size, generator=g)
     return batch
@@ -59,14 +64,10 @@ def reference_loss(logits, values, batch, args):
     for b in range(B):
         terminated, truncated = batch["terminated"][:, b].tolist(), batch["truncated"][:, b].tolist()
         action = batch["action"][:, b].tolist()
-
-        def reward(u):  # received on the transition from x_u to x_{u+1}
-            r = batch["reward"][u + 1, b].item()
-            return max(-1.0, min(1.0, r)) if args.reward_clip else r
-
-        def rho(u):
-            return math.exp(log_pi[u, b, action[u]].item() - log_mu[u, b, action[u]].item())
-
+        # r[u]: received on the transition from x_u to x_{u+1}; rho[u] = pi(a_u | x_u) / mu(a_u | x_u).
+        r = [batch["reward"][u + 1, b].item() for u in range(T)]
+        r = [max(-1.0, min(1.0, r_u)) for r_u in r] if args.reward_clip else r
+        rho = [math.exp(log_pi[u, b, action[u]].item() - log_mu[u, b, action[u]].item()) for u in range(T)]
         t = 0
         while t < T:
             if terminated[t] or truncated[t]:  # x_t is a final obs: the env resets, no transition
@@ -74,21 +75,18 @@ def reference_loss(logits, values, batch, args):
                 continue
             e = next((k for k in range(t + 1, T + 1) if terminated[k] or truncated[k]), T)  # the episode's last obs here
             end_value = 0.0 if terminated[e] else V[e][b]
-
-            def next_value(u):
-                return V[u + 1][b] if u + 1 < e else end_value
-
+            next_value = {u: V[u + 1][b] if u + 1 < e else end_value for u in range(t, e)}  # V(x_{u+1})
             vs = {}
             for s in range(t, e):
                 vs[s] = V[s][b]
                 coef = 1.0
                 for u in range(s, e):
-                    delta = min(args.clip_rho_threshold, rho(u)) * (reward(u) + gamma * next_value(u) - V[u][b])
+                    delta = min(args.clip_rho_threshold, rho[u]) * (r[u] + gamma * next_value[u] - V[u][b])
                     vs[s] += coef * delta
-                    coef *= gamma * lam * min(1.0, rho(u))
+                    coef *= gamma * lam * min(1.0, rho[u])
             for s in range(t, e):
                 v_next = vs[s + 1] if s + 1 < e else end_value
-                advantage = min(args.clip_pg_rho_threshold, rho(s)) * (reward(s) + gamma * v_next - V[s][b])
+                advantage = min(args.clip_pg_rho_threshold, rho[s]) * (r[s] + gamma * v_next - V[s][b])
                 policy_loss = policy_loss - advantage * log_pi[s, b, action[s]]
                 value_loss = value_loss + 0.5 * (vs[s] - values[s, b]) ** 2
                 entropy = entropy - (log_pi[s, b].exp() * log_pi[s, b]).sum()

@@ -171,10 +171,11 @@ def finished(process, timeout=300):
 RESTART_ENV = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def torchrun(tmp_path, flags, max_restarts=0):
-    """Two ranks on this machine."""
+def torchrun(tmp_path, flags, max_restarts=0, tee=False):
+    """Two ranks on this machine. With `tee`, each line the ranks print is prefixed with `[default<rank>]:`."""
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "--max-restarts", str(max_restarts), os.path.join(ROOT, SCRIPT), *map(str, flags)],
+                             *(["--tee", "3"] if tee else []), "--max-restarts", str(max_restarts),
+                             os.path.join(ROOT, SCRIPT), *map(str, flags)],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=RESTART_ENV if max_restarts else None)
 
@@ -266,15 +267,19 @@ def test_torchrun_restarts_from_the_checkpoint(tmp_path, nodes):
 
 
 def test_torchrun_non_finite_update_stops_every_rank(tmp_path):
-    """A resumed torchrun run whose first update is not finite stops on both ranks and leaves the checkpoint as it was."""
-    stdout = finished(torchrun(tmp_path, TORCHRUN_FLAGS))
+    """A resumed torchrun run whose first update is not finite stops on both ranks, each with the error line, and leaves
+    the checkpoint as it was."""
+    finished(torchrun(tmp_path, TORCHRUN_FLAGS))
     (run_dir,) = run_dirs(tmp_path)
     path = os.path.join(run_dir, "checkpoint.pt")
     good = torch.load(path, weights_only=True)
-    process = torchrun(tmp_path, [*TORCHRUN_FLAGS[:-1], 2 * TORCHRUN_FLAGS[-1], "--vf-coef", 1e38, "--resume", path])
-    _, stderr = process.communicate(timeout=300)
+    process = torchrun(tmp_path, [*TORCHRUN_FLAGS[:-1], 2 * TORCHRUN_FLAGS[-1], "--vf-coef", 1e38, "--resume", path], tee=True)
+    stdout, stderr = process.communicate(timeout=300)
     assert process.returncode != 0
-    assert "error: update 4 at global_step=120 is not finite (loss): not applied" in stderr, stdout + stderr[-3000:]
+    for rank in (0, 1):
+        errors = [line for line in stderr.splitlines() if line.startswith(f"[default{rank}]:error: ")]
+        assert len(errors) == 1, stderr[-3000:]
+        assert errors[0].startswith(f"[default{rank}]:error: update 4 at global_step=120 is not finite (loss): not applied")
     checkpoint = torch.load(path, weights_only=True)
     assert checkpoint["global_step"] == 120 and all(torch.equal(checkpoint["model"][k], good["model"][k]) for k in good["model"])
 

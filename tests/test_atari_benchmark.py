@@ -1,0 +1,203 @@
+"""benchmarks/atari.py: tiny real runs (start, skip, resume), the results table recomputed by hand from a CSV written
+here, the HNS and Atari-5 formulas against hand-computed values, and the error for an unknown game."""
+
+import csv
+import glob
+import math
+import os
+import subprocess
+import sys
+
+import envpool
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+from helpers import ROOT, error_line
+
+SCRIPT = os.path.join(ROOT, "benchmarks", "atari.py")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import atari  # by path: benchmarks/ is not a package
+
+# A run of 200 steps is 10 updates of 2 rollouts x 10 steps from a pool of 4 envs: startup dominates its few seconds.
+TINY = ["--", "--num-envs", "4", "--env-batch-size", "2", "--num-threads", "1", "--num-torch-threads", "1",
+        "--unroll-length", "10", "--batch-size", "2"]
+# (random, human) as given by the standard table (Badia et al. 2020), written out here apart from atari.py's.
+SCORES = {"BattleZone": (2360, 37187.5), "DoubleDunk": (-18.55, -16.4), "NameThisGame": (2292.35, 8049),
+          "Phoenix": (761.4, 7242.6), "Qbert": (163.88, 13455), "Pong": (-20.71, 14.6), "Breakout": (1.72, 30.5),
+          "BeamRider": (363.88, 16926.5)}
+WEIGHTS = {"BattleZone": 0.3820, "DoubleDunk": 0.0679, "NameThisGame": 0.3108, "Phoenix": 0.1241, "Qbert": 0.0805}
+
+
+def bench(*args, cwd):
+    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def checkpoint(cwd, run_name):
+    return torch.load(os.path.join(cwd, "runs", "atari", "runs", run_name, "checkpoint.pt"), weights_only=True)
+
+
+def run_files(cwd):
+    """{path: modification time} of every file the runs wrote."""
+    return {path: os.path.getmtime(path) for path in glob.glob(os.path.join(cwd, "runs", "atari", "**"), recursive=True)}
+
+
+def test_runs_skip_and_resume(tmp_path):
+    games = ["--env-ids", "Pong-v5", "Breakout-v5", "--seeds", 1, 2, "--total-timesteps", 200]
+    result = bench(*games, "--jobs", 2, *TINY, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    names = [f"{env_id}__impala_poly__{seed}__atari" for env_id in ("Pong-v5", "Breakout-v5") for seed in (1, 2)]
+    for i, name in enumerate(names, 1):
+        env_id, _, seed, _ = name.split("__")
+        assert f"[{i}/4] {env_id} seed {seed}: started" in result.stdout.splitlines(), result.stdout
+        assert f"[{i}/4] {env_id} seed {seed}: finished in " in result.stdout, result.stdout
+        assert checkpoint(tmp_path, name)["global_step"] == 200
+    runs = read_csv(tmp_path / "results" / "atari" / "runs.csv")
+    curves = read_csv(tmp_path / "results" / "atari" / "curves.csv")
+    assert [(r["env_id"], r["seed"], r["total_timesteps"], r["global_step"]) for r in runs] == [
+        ("Breakout-v5", "1", "200", "200"), ("Breakout-v5", "2", "200", "200"),
+        ("Pong-v5", "1", "200", "200"), ("Pong-v5", "2", "200", "200")]
+    for r in runs:  # hours: training time from the events, the episodes those in curves.csv
+        assert 0 < float(r["hours"]) < 0.1
+        assert int(r["episodes"]) == sum(c["env_id"] == r["env_id"] and c["seed"] == r["seed"] for c in curves)
+    # Pong's games last thousands of steps: no score, said in the table.
+    table = (tmp_path / "results" / "atari" / "results.md").read_text()
+    assert "| Pong-v5 | impala_poly | 2 | - | - | " in table
+    assert "seed 1: no full game (not scored); seed 2: no full game (not scored) |" in table
+
+    # A larger budget for Pong seed 1 continues its checkpoint; seed 3's folder holds events but no checkpoint, so it
+    # fails without being started (its events would mix with a new run's), and the other run still goes on.
+    with SummaryWriter(str(tmp_path / "runs" / "atari" / "runs" / "Pong-v5__impala_poly__3__atari")) as writer:
+        writer.add_scalar("charts/SPS", 100, 20)
+    result = bench("--env-ids", "Pong-v5", "--seeds", 1, 3, "--total-timesteps", 400, *TINY, cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "[1/2] Pong-v5 seed 1: resumed at global_step 200" in lines, result.stdout
+    assert any(line.startswith("[1/2] Pong-v5 seed 1: finished in ") for line in lines), result.stdout
+    assert any(line.startswith("[2/2] Pong-v5 seed 3: failed, ") for line in lines), result.stdout
+    resumed = checkpoint(tmp_path, names[0])
+    run_dir = tmp_path / "runs" / "atari" / "runs" / names[0]
+    assert (resumed["global_step"], resumed["args"]["resume"]) == (400, str(run_dir / "checkpoint.pt"))
+    assert len(glob.glob(str(run_dir / "events.out.tfevents.*"))) == 2  # one per session
+    log = (tmp_path / "runs" / "atari" / f"{names[0]}.log").read_text()
+    assert [line.endswith(f"--resume {run_dir / 'checkpoint.pt'}") for line in log.splitlines() if line.startswith("###")] \
+        == [False, True]
+    runs = read_csv(tmp_path / "results" / "atari" / "runs.csv")
+    pong = runs[2]  # rows in (env_id, script, seed) order
+    assert (pong["env_id"], pong["seed"], pong["total_timesteps"], pong["global_step"]) == ("Pong-v5", "1", "400", "400")
+    curves = read_csv(tmp_path / "results" / "atari" / "curves.csv")  # the run's rows replaced, not added to
+    assert int(pong["episodes"]) == sum(c["env_id"] == "Pong-v5" and c["seed"] == "1" for c in curves)
+    assert "- Pong-v5 impala_poly seed 3: no checkpoint" in (tmp_path / "results" / "atari" / "results.md").read_text()
+
+    # The first command again: everything is done per runs.csv, nothing starts and no run file changes.
+    before = run_files(tmp_path)
+    result = bench(*games, "--jobs", 2, *TINY, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    for i, name in enumerate(names, 1):
+        env_id, _, seed, _ = name.split("__")
+        step = 400 if i == 1 else 200
+        skipped = f"[{i}/4] {env_id} seed {seed}: skipped, finished at global_step {step} (results/atari/runs.csv)"
+        assert skipped in result.stdout.splitlines(), result.stdout
+    assert "started" not in result.stdout
+    assert run_files(tmp_path) == before
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_table_by_hand(tmp_path):
+    """A synthetic out folder: the Atari-5 games with seed 1 (150 games, returns base + scale * i) and seed 2 (120 games,
+    base + 2 * scale * i), plus games past the budget that must not count; Pong seed 1 finished without a full game,
+    seed 2 recorded short of the budget; Breakout seed 1 with 30 games, seed 2 never run."""
+    budget = 200_000
+    curves, runs = [], []
+    bases = {"BattleZone": (3000, 40), "DoubleDunk": (-18, 0.01), "NameThisGame": (2500, 20), "Phoenix": (800, 10),
+             "Qbert": (200, 30)}
+    for name, (base, scale) in bases.items():
+        for seed, n, step_scale in [(1, 150, 1), (2, 120, 2)]:
+            curves += [dict(env_id=f"{name}-v5", script="impala_poly", seed=seed, global_step=1000 * (i + 1), hours=i / 1000,
+                            episodic_return=base + step_scale * scale * i) for i in range(n)]
+            runs.append(dict(env_id=f"{name}-v5", script="impala_poly", seed=seed, total_timesteps=budget,
+                             global_step=budget + 500, hours={1: 1.5, 2: 0.5}[seed], episodes=n))
+        curves += [dict(env_id=f"{name}-v5", script="impala_poly", seed=1, global_step=budget + 100 * j, hours=1,
+                        episodic_return=1e6) for j in range(1, 4)]
+    curves += [dict(env_id="Breakout-v5", script="impala_poly", seed=1, global_step=5000 * (i + 1), hours=i / 100,
+                    episodic_return=i) for i in range(30)]
+    runs += [dict(env_id="Pong-v5", script="impala_poly", seed=1, total_timesteps=budget, global_step=budget, hours=0.25,
+                  episodes=0),
+             dict(env_id="Pong-v5", script="impala_poly", seed=2, total_timesteps=100_000, global_step=100_000, hours=0.1,
+                  episodes=0),
+             dict(env_id="Breakout-v5", script="impala_poly", seed=1, total_timesteps=budget, global_step=budget, hours=2,
+                  episodes=30)]
+    os.makedirs(tmp_path / "out")
+    write_csv(tmp_path / "out" / "curves.csv", curves)
+    write_csv(tmp_path / "out" / "runs.csv", runs)
+    result = bench("--report-only", "--out", "out", "--runs-dir", "nowhere", "--total-timesteps", budget, "--seeds", 1, 2,
+                   "--env-ids", "Pong-v5", "Breakout-v5", *[f"{name}-v5" for name in bases], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "out" / "results.md").read_text().splitlines()
+    assert table[0] == "# Atari benchmark: 200,000 steps (0.8M frames) per run"
+
+    per_seed_hns = {1: {}, 2: {}}
+    for name, (base, scale) in bases.items():
+        random, human = SCORES[name]
+        mean1 = base + scale * (50 + 149) / 2  # seed 1: the last 100 of i = 0..149 are i = 50..149
+        mean2 = base + 2 * scale * (20 + 119) / 2  # seed 2: i = 20..119
+        mean, std = (mean1 + mean2) / 2, abs(mean1 - mean2) / math.sqrt(2)  # sample std of two values
+        hns1, hns2 = (mean1 - random) / (human - random), (mean2 - random) / (human - random)
+        per_seed_hns[1][name], per_seed_hns[2][name] = hns1, hns2
+        hns_mean, hns_std = (hns1 + hns2) / 2, abs(hns1 - hns2) / math.sqrt(2)
+        # Wall time: the mean of 1.5 and 0.5 h.
+        row = f"| {name}-v5 | impala_poly | 2 | {mean:.1f} ± {std:.1f} | {hns_mean:.3f} ± {hns_std:.3f} | 1.00 h |  |"
+        assert row in table
+    breakout_hns = (14.5 - 1.72) / (30.5 - 1.72)  # Breakout seed 1: the mean of its 30 games 0..29
+    assert f"| Breakout-v5 | impala_poly | 1 | 14.5 | {breakout_hns:.3f} | 2.00 h | seed 1: 30 games |" in table
+    assert "| Pong-v5 | impala_poly | 1 | - | - | 15.0 min | seed 1: no full game (not scored) |" in table
+    assert "- Pong-v5 impala_poly seed 2: recorded at global_step 100000; no checkpoint" in table
+    assert "- Breakout-v5 impala_poly seed 2: no checkpoint" in table
+
+    def predict(hns_by_game):  # Atari-5 with HNS in percent, as the regression was fitted
+        total = 0.0
+        for name, weight in WEIGHTS.items():
+            total += weight * math.log10(1 + max(100 * hns_by_game[name], 0))
+        return (10**total - 1) / 100
+
+    estimate = predict({name: (per_seed_hns[1][name] + per_seed_hns[2][name]) / 2 for name in WEIGHTS})
+    p1, p2 = predict(per_seed_hns[1]), predict(per_seed_hns[2])
+    line = (f"- impala_poly: {estimate:.3f} from the mean-over-seeds HNS of each game; per seed (seeds 1, 2): "
+            f"{(p1 + p2) / 2:.3f} ± {abs(p1 - p2) / math.sqrt(2):.3f}")
+    assert line in table
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(
+        ["curves.csv", "runs.csv", "results.md", "Breakout-v5.png"] + [f"{name}-v5.png" for name in bases])
+
+
+def test_hns_and_atari5():
+    assert math.isclose(atari.hns("Pong-v5", 0), (0 + 20.71) / (14.6 + 20.71))
+    assert math.isclose(atari.hns("Breakout-v5", 30.5), 1.0)
+    assert atari.hns("Pooyan-v5", 100) is None  # an EnvPool game outside the 57
+    for name, (random, human) in SCORES.items():
+        assert atari.HUMAN_RANDOM[name] == (random, human)
+    assert len(atari.HUMAN_RANDOM) == 57
+    assert {f"{name}-v5" for name in atari.HUMAN_RANDOM} <= set(envpool.list_all_envs())
+    # Human level on all five: log10(1 + median%) = 0.9653 * log10(101), so median% = 101 ** 0.9653 - 1.
+    assert math.isclose(sum(WEIGHTS.values()), 0.9653)
+    assert math.isclose(atari.atari5_median(dict.fromkeys(WEIGHTS, 1.0)), (101**0.9653 - 1) / 100)
+    # HNS 0.5, 2, -1 (clipped to 0), 0, 3.5 -> percents 50, 200, 0, 0, 350; step by step:
+    log_median = 0.3820 * math.log10(51) + 0.0679 * math.log10(201) + 0.3108 * math.log10(1) + 0.1241 * math.log10(1) \
+        + 0.0805 * math.log10(351)
+    hns_values = {"BattleZone": 0.5, "DoubleDunk": 2.0, "NameThisGame": -1.0, "Phoenix": 0.0, "Qbert": 3.5}
+    assert math.isclose(atari.atari5_median(hns_values), (10**log_median - 1) / 100)
+
+
+def test_unknown_game(tmp_path):
+    assert error_line(bench("--env-ids", "Pong-v5", "Pongg-v5", cwd=tmp_path)) == \
+        "error: unknown game 'Pongg-v5': pass EnvPool Atari ids such as Pong-v5 or Qbert-v5"
+    assert os.listdir(tmp_path) == []  # nothing started
