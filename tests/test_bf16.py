@@ -4,11 +4,26 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from helpers import breakout_batch, cpu_has_bf16
 import impala_mono
 import impala_poly
+
+
+def computed_in(agent):
+    """The dtypes the agent's convolutions, linear layers and LSTM cell output, recorded as it runs: the precision it
+    really computes in, whatever decides it."""
+    dtypes = set()
+
+    def hook(module, inputs, output):
+        dtypes.add((output[0] if isinstance(output, tuple) else output).dtype)
+
+    for module in agent.modules():
+        if isinstance(module, (nn.Conv2d, nn.Linear, nn.LSTMCell)):
+            module.register_forward_hook(hook)
+    return dtypes
 
 
 @pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])
@@ -33,8 +48,10 @@ def test_bf16_update_matches_float32(script, use_lstm):
         return {key: value.item() for key, value in stats.items()}, grad
 
     batch, other_batch = breakout_batch(agent32, seed=0), breakout_batch(agent32, seed=1)
+    dtypes32, dtypes16 = computed_in(agent32), computed_in(agent16)
     (stats32, grad32), (stats16, grad16) = update(agent32, batch), update(agent16, batch)
     _, other_grad32 = update(agent32, other_batch)
+    assert dtypes32 == {torch.float32} and torch.bfloat16 in dtypes16  # the reference cannot run in bf16 by accident
     for key in (key for key in stats32 if key.startswith("losses/")):  # the loss terms
         assert stats16[key] == pytest.approx(stats32[key], rel=0.005), (key, stats16[key], stats32[key])
     assert not torch.equal(grad16, grad32)  # bf16 did run
@@ -54,9 +71,11 @@ def test_poly_acting_copy_is_bf16_and_agrees():
     reference.dtype = torch.float32
     batch = breakout_batch(reference, T=1, B=16)
     obs, first = batch["obs"][0], torch.zeros(16, dtype=torch.bool)
+    acting_dtypes, reference_dtypes = computed_in(policy.agent), computed_in(reference)
     _, logits, _, _ = policy.act(obs, first, ())
     with torch.no_grad():
         expected, _, _ = reference(obs[None], first[None], ())
+    assert (acting_dtypes, reference_dtypes) == ({torch.bfloat16}, {torch.float32})
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, expected[0], atol=0.05, rtol=0)
 
