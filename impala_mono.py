@@ -154,8 +154,13 @@ class AtariEnv(gym.Env):
     """
 
     def __init__(self, env_id, episodic_life, repeat_action_probability, noop_max=30, frame_skip=4, max_episode_steps=27_000):
-        self.ale_env = gym.make(f"ALE/{env_id}", frameskip=1, repeat_action_probability=repeat_action_probability,
-                                full_action_space=False, max_num_frames_per_episode=None).unwrapped
+        self.ale_env = gym.make(
+            f"ALE/{env_id}",
+            frameskip=1,
+            repeat_action_probability=repeat_action_probability,
+            full_action_space=False,
+            max_num_frames_per_episode=None,
+        ).unwrapped
         self.ale = self.ale_env.ale
         self.action_set = self.ale.getMinimalActionSet()
         self.fire_reset = ale_py.Action.FIRE in self.action_set
@@ -262,9 +267,13 @@ class ConvSequence(nn.Module):
 
 
 def mlp(in_features, out_features, std, hidden=256):
-    return nn.Sequential(layer_init(nn.Linear(in_features, hidden)), nn.ReLU(),
-                         layer_init(nn.Linear(hidden, hidden)), nn.ReLU(),
-                         layer_init(nn.Linear(hidden, out_features), std=std))
+    return nn.Sequential(
+        layer_init(nn.Linear(in_features, hidden)),
+        nn.ReLU(),
+        layer_init(nn.Linear(hidden, hidden)),
+        nn.ReLU(),
+        layer_init(nn.Linear(hidden, out_features), std=std),
+    )
 
 
 class Agent(nn.Module):
@@ -279,14 +288,28 @@ class Agent(nn.Module):
             self.torso = nn.Sequential()  # empty: the identity
         elif network == "shallow":
             self.obs_scale, hidden = 255.0, 512
-            self.torso = nn.Sequential(layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)), nn.ReLU(),
-                                       layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-                                       layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
-                                       nn.Flatten(), layer_init(nn.Linear(64 * 7 * 7, hidden)), nn.ReLU())
+            self.torso = nn.Sequential(
+                layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)),
+                nn.ReLU(),
+                layer_init(nn.Conv2d(32, 64, 4, stride=2)),
+                nn.ReLU(),
+                layer_init(nn.Conv2d(64, 64, 3, stride=1)),
+                nn.ReLU(),
+                nn.Flatten(),
+                layer_init(nn.Linear(64 * 7 * 7, hidden)),
+                nn.ReLU(),
+            )
         else:
             self.obs_scale, hidden = 255.0, 256
-            self.torso = nn.Sequential(ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32),
-                                       nn.Flatten(), nn.ReLU(), layer_init(nn.Linear(32 * 11 * 11, hidden)), nn.ReLU())
+            self.torso = nn.Sequential(
+                ConvSequence(obs_shape[0], 16),
+                ConvSequence(16, 32),
+                ConvSequence(32, 32),
+                nn.Flatten(),
+                nn.ReLU(),
+                layer_init(nn.Linear(32 * 11 * 11, hidden)),
+                nn.ReLU(),
+            )
         self.lstm = nn.LSTMCell(hidden, max(hidden, 64)) if use_lstm else None
         core_size = self.lstm.hidden_size if use_lstm else hidden
         if len(obs_shape) == 1:
@@ -345,8 +368,10 @@ def create_buffers(args, obs_space, num_actions, core_state):
     needed = sum(args.num_buffers * int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs.values())
     free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else needed
     if needed > free:
-        sys.exit(f"error: the rollout buffers need {needed / 2**20:.0f} MiB of shared memory but /dev/shm has "
-                 f"{free / 2**20:.0f} MiB free: lower --num-buffers or enlarge /dev/shm (docker run --shm-size)")
+        sys.exit(
+            f"error: the rollout buffers need {needed / 2**20:.0f} MiB of shared memory but /dev/shm has "
+            f"{free / 2**20:.0f} MiB free: lower --num-buffers or enlarge /dev/shm (docker run --shm-size)"
+        )
     return {key: torch.zeros(args.num_buffers, *shape, dtype=dtype).share_memory_() for key, (shape, dtype) in specs.items()}
 
 
@@ -375,7 +400,7 @@ class GameRecorder:
                 for game_return, length in ended:
                     self.writer.close()
                     self.writer = None
-                    os.replace(self.path, f"{self.path[:-len('.mp4')]}-return{game_return:g}-steps{length}.mp4")
+                    os.replace(self.path, f"{self.path[: -len('.mp4')]}-return{game_return:g}-steps{length}.mp4")
         except Exception as e:
             print(f"warning: --capture-video stopped: {e!r}", file=sys.stderr, flush=True)
             self.writer, self.next_start = None, float("inf")
@@ -407,15 +432,23 @@ def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_que
         envs = [make_env(args) for _ in range(K)]
         obs = np.stack([env.reset(seed=seed + k)[0] for k, env in enumerate(envs)])
         # The current step of each env; the last step of one rollout is the first of the next.
-        step = dict(obs=torch.from_numpy(obs), reward=torch.zeros(K), terminated=torch.zeros(K, dtype=torch.bool),
-                    truncated=torch.zeros(K, dtype=torch.bool), action=torch.zeros(K, dtype=torch.int64))
+        step = dict(
+            obs=torch.from_numpy(obs),
+            reward=torch.zeros(K),
+            terminated=torch.zeros(K, dtype=torch.bool),
+            truncated=torch.zeros(K, dtype=torch.bool),
+            action=torch.zeros(K, dtype=torch.int64),
+        )
         first = torch.ones(K, dtype=torch.bool)  # step["obs"] starts an episode
         core_state = agent.initial_state(K)  # before the current step
         game_return, game_length = np.zeros(K), np.zeros(K, dtype=np.int64)
         recorder = None
         if args.capture_video and actor_index == 0:  # env 0's games; in eval mode all of them
-            recorder = GameRecorder(envs[0].unwrapped.ale.getScreenRGB, os.path.join("videos", args.run_name),
-                                    0 if args.eval_checkpoint else args.video_interval * 60)
+            recorder = GameRecorder(
+                envs[0].unwrapped.ale.getScreenRGB,
+                os.path.join("videos", args.run_name),
+                0 if args.eval_checkpoint else args.video_interval * 60,
+            )
             recorder.step(True, [], policy_version.value)  # the first game's reset screen
 
         def act(core_state):
@@ -491,14 +524,26 @@ def compute_loss(agent, batch, args):
     # (vs = V(final obs)) and gives the step no advantage.
     log_rhos = (target_log_probs - behavior_log_probs).masked_fill(done[:-1], float("-inf"))
     vtrace_returns = vtrace.from_importance_weights(
-        log_rhos=log_rhos, discounts=discounts, rewards=rewards, values=values[:-1], bootstrap_value=values[-1],
-        clip_rho_threshold=args.clip_rho_threshold, clip_pg_rho_threshold=args.clip_pg_rho_threshold, lambda_=args.vtrace_lambda)
+        log_rhos=log_rhos,
+        discounts=discounts,
+        rewards=rewards,
+        values=values[:-1],
+        bootstrap_value=values[-1],
+        clip_rho_threshold=args.clip_rho_threshold,
+        clip_pg_rho_threshold=args.clip_pg_rho_threshold,
+        lambda_=args.vtrace_lambda,
+    )
     policy_loss = -(vtrace_returns.pg_advantages * target_log_probs).sum()
     value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
     entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum()
-    stats = {"losses/policy_loss": policy_loss, "losses/value_loss": value_loss, "losses/entropy": entropy.mean(),
-             "losses/loss": loss, "stats/value": values[:-1].mean()}
+    stats = {
+        "losses/policy_loss": policy_loss,
+        "losses/value_loss": value_loss,
+        "losses/entropy": entropy.mean(),
+        "losses/loss": loss,
+        "stats/value": values[:-1].mean(),
+    }
     for i, features in enumerate(agent.features, 1):  # a unit (a conv's channel) 0 on every step learns nothing from it
         stats[f"stats/dead_units_{i}"] = (features <= 0).transpose(0, 1).flatten(1).all(1).float().mean()
     return loss, stats
@@ -512,7 +557,9 @@ def evaluate(args, agent, obs_space, num_actions, version):
     for index in range(args.num_buffers):
         free_queue.put(index)
     stop = threading.Event()
-    thread = threading.Thread(target=actor, args=(0, args, agent, buffers, free_queue, full_queue, episode_queue, mp.Value("l", version), stop))
+    thread = threading.Thread(
+        target=actor, args=(0, args, agent, buffers, free_queue, full_queue, episode_queue, mp.Value("l", version), stop)
+    )
     thread.start()
     returns = []
     while len(returns) < args.eval_episodes:
@@ -531,13 +578,29 @@ def evaluate(args, agent, obs_space, num_actions, version):
 def check_args(args):
     """Exits with a one-line error on bad input, before anything is started."""
     if not (is_atari(args.env_id) or args.env_id in gym.registry):
-        sys.exit(f"error: unknown --env-id {args.env_id!r}: use an Atari id as in EnvPool (Pong-v5, Breakout-v5, ...) "
-                 "or a gymnasium classic-control id (CartPole-v1, Acrobot-v1, ...)")
-    for name in ("total_timesteps", "num_actors", "num_envs_per_actor", "unroll_length", "batch_size", "num_buffers",
-                 "num_learner_threads", "num_torch_threads", "eval_episodes", "stall_timeout", "video_interval"):
+        sys.exit(
+            f"error: unknown --env-id {args.env_id!r}: use an Atari id as in EnvPool (Pong-v5, Breakout-v5, ...) "
+            "or a gymnasium classic-control id (CartPole-v1, Acrobot-v1, ...)"
+        )
+    for name in (
+        "total_timesteps",
+        "num_actors",
+        "num_envs_per_actor",
+        "unroll_length",
+        "batch_size",
+        "num_buffers",
+        "num_learner_threads",
+        "num_torch_threads",
+        "eval_episodes",
+        "stall_timeout",
+        "video_interval",
+    ):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for flag, needs, packages in (("track", ["wandb"], "wandb"), ("capture_video", ["imageio", "imageio_ffmpeg"], "imageio imageio-ffmpeg")):
+    for flag, needs, packages in (
+        ("track", ["wandb"], "wandb"),
+        ("capture_video", ["imageio", "imageio_ffmpeg"], "imageio imageio-ffmpeg"),
+    ):
         if getattr(args, flag) and not all(importlib.util.find_spec(name) for name in needs):
             sys.exit(f"error: --{flag.replace('_', '-')} needs {packages}: pip install {packages}")
     if args.capture_video and not is_atari(args.env_id):
@@ -549,8 +612,10 @@ def check_args(args):
     if args.num_buffers is None:
         args.num_buffers = 2 * (num_envs + args.batch_size)
     if args.num_buffers < num_envs + args.batch_size:
-        sys.exit(f"error: --num-buffers {args.num_buffers} is too small: each of the {num_envs} envs fills a slot while the "
-                 f"learner gathers --batch-size {args.batch_size}; use at least {num_envs + args.batch_size}")
+        sys.exit(
+            f"error: --num-buffers {args.num_buffers} is too small: each of the {num_envs} envs fills a slot while the "
+            f"learner gathers --batch-size {args.batch_size}; use at least {num_envs + args.batch_size}"
+        )
     for name in ("resume", "eval_checkpoint"):
         path = getattr(args, name)
         if path is not None and not os.path.isfile(path):
@@ -565,8 +630,10 @@ def load_checkpoint(path, args):
         sys.exit(f"error: cannot read checkpoint {path} ({type(e).__name__}): pass a checkpoint.pt written by this script")
     for name in ("env_id", "network", "use_lstm"):
         if trained[name] != getattr(args, name):
-            sys.exit(f"error: checkpoint {path} is for --{name.replace('_', '-')} {trained[name]}, not {getattr(args, name)}: "
-                     "pass the same flag as in training")
+            sys.exit(
+                f"error: checkpoint {path} is for --{name.replace('_', '-')} {trained[name]}, not {getattr(args, name)}: "
+                "pass the same flag as in training"
+            )
     return checkpoint
 
 
@@ -576,8 +643,16 @@ def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
     if not all(torch.isfinite(p).all() for p in agent.parameters()):
         print(f"error: the parameters are not finite at global_step={global_step}: {path} not overwritten", file=sys.stderr)
         return False
-    torch.save(dict(model=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=global_step,
-                    num_updates=num_updates, args=vars(args)), path + ".tmp")
+    torch.save(
+        dict(
+            model=agent.state_dict(),
+            optimizer=optimizer.state_dict(),
+            global_step=global_step,
+            num_updates=num_updates,
+            args=vars(args),
+        ),
+        path + ".tmp",
+    )
     if os.path.exists(path):
         previous = path[: -len(".pt")] + ".prev.pt"
         shutil.copyfile(path, previous + ".tmp")
@@ -615,8 +690,10 @@ if __name__ == "__main__":
 
     if args.eval_checkpoint:
         returns = evaluate(args, actor_agent, obs_space, num_actions, version=checkpoint["num_updates"])
-        print(f"{args.env_id}: mean return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} games "
-              f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})")
+        print(
+            f"{args.env_id}: mean return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} games "
+            f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})"
+        )
         sys.exit(0)
 
     agent.to(device)
@@ -631,11 +708,24 @@ if __name__ == "__main__":
         import wandb  # only with --track
 
         args.wandb_id = checkpoint["args"].get("wandb_id") if checkpoint else None
-        args.wandb_id = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
-                                   name=args.run_name, monitor_gym=False, save_code=True, id=args.wandb_id, resume="allow").id
-    writer = SummaryWriter(run_dir, purge_step=global_step + 1 if args.resume else None)  # drop what was logged after the checkpoint
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{key}|{value}|" for key, value in vars(args).items()))
-    print(f"{run_dir}: learner on {device}, network forward in {str(agent.dtype)[len('torch.'):]}", flush=True)
+        args.wandb_id = wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            sync_tensorboard=True,
+            config=vars(args),
+            name=args.run_name,
+            monitor_gym=False,
+            save_code=True,
+            id=args.wandb_id,
+            resume="allow",
+        ).id
+    writer = SummaryWriter(
+        run_dir, purge_step=global_step + 1 if args.resume else None
+    )  # drop what was logged after the checkpoint
+    writer.add_text(
+        "hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+    )
+    print(f"{run_dir}: learner on {device}, network forward in {str(agent.dtype)[len('torch.') :]}", flush=True)
 
     # TRY NOT TO MODIFY: start the actors
     buffers = create_buffers(args, obs_space, num_actions, agent.initial_state(1))
@@ -647,8 +737,11 @@ if __name__ == "__main__":
         free_queue.put(index)
     actors = []
     for actor_index in range(args.num_actors):
-        process = ctx.Process(target=actor, daemon=True,
-                              args=(actor_index, args, actor_agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop))
+        process = ctx.Process(
+            target=actor,
+            daemon=True,
+            args=(actor_index, args, actor_agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop),
+        )
         # The main process shuts the actors down (`stop`): Ctrl-C and SIGTERM go to it alone.
         sigint, sigterm = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
         process.start()
@@ -673,8 +766,10 @@ if __name__ == "__main__":
         for index in indices:
             free_queue.put(index)
         # [T + 1, B, ...] per step, core_state [2, B, hidden], policy_version [B]
-        return {key: (value.transpose(0, 1) if value.dim() > 1 else value).to(device, non_blocking=True)
-                for key, value in batch.items()}
+        return {
+            key: (value.transpose(0, 1) if value.dim() > 1 else value).to(device, non_blocking=True)
+            for key, value in batch.items()
+        }
 
     def learner_thread():
         global global_step, num_updates
@@ -694,10 +789,15 @@ if __name__ == "__main__":
                     loss.backward()
                     grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
                     if not torch.isfinite(grad_norm):
-                        bad = ", ".join(key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)) or "the gradient"
-                        learner_errors.append(f"update {num_updates + 1} at global_step={global_step} is not finite ({bad}): "
-                                              "not applied, the checkpoint keeps the parameters before it; "
-                                              "lower --learning-rate or check the rewards")
+                        bad = (
+                            ", ".join(key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value))
+                            or "the gradient"
+                        )
+                        learner_errors.append(
+                            f"update {num_updates + 1} at global_step={global_step} is not finite ({bad}): "
+                            "not applied, the checkpoint keeps the parameters before it; "
+                            "lower --learning-rate or check the rewards"
+                        )
                         stop.set()
                         return
                     optimizer.step()
@@ -753,8 +853,11 @@ if __name__ == "__main__":
                 writer.add_scalar("charts/SPS", sps, global_step)
                 writer.add_scalar("stats/full_queue_size", full_queue.qsize(), global_step)
                 mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
-                print(f"global_step={global_step} SPS={sps} updates={num_updates} "
-                      f"episodic_return(last {len(recent_returns)})={mean_return}", flush=True)
+                print(
+                    f"global_step={global_step} SPS={sps} updates={num_updates} "
+                    f"episodic_return(last {len(recent_returns)})={mean_return}",
+                    flush=True,
+                )
                 last_log = now
             if now - last_checkpoint >= args.checkpoint_interval:
                 with learn_lock:
@@ -779,8 +882,11 @@ if __name__ == "__main__":
                 process.kill()
         saved = save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
         exit_code = exit_code if saved else 1
-        print(f"{'saved' if saved else 'did not save'} {checkpoint_path} at global_step={global_step} "
-              f"(mean of the last {len(recent_returns)} episodic returns: "
-              f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f})", flush=True)
+        print(
+            f"{'saved' if saved else 'did not save'} {checkpoint_path} at global_step={global_step} "
+            f"(mean of the last {len(recent_returns)} episodic returns: "
+            f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f})",
+            flush=True,
+        )
         writer.close()
     sys.exit(exit_code)

@@ -155,11 +155,22 @@ def make_env(args, num_envs, batch_size, seed, num_threads):
     """An EnvPool pool; env i is seeded with seed + i. Atari keeps EnvPool's preprocessing (30 no-ops, 4-frame skip,
     84x84 gray, 4 stacked frames, fire reset, 27,000-step cap). After a final obs an env returns the reset obs on its
     next step and ignores that step's action."""
-    atari_kwargs = dict(episodic_life=args.episodic_life, repeat_action_probability=args.repeat_action_probability,
-                        reward_clip=False) if is_atari(args.env_id) else {}
+    atari_kwargs = (
+        dict(episodic_life=args.episodic_life, repeat_action_probability=args.repeat_action_probability, reward_clip=False)
+        if is_atari(args.env_id)
+        else {}
+    )
     render = dict(render_mode="rgb_array") if args.capture_video else {}  # full-colour screens for videos
-    return envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, batch_size=batch_size,
-                        num_threads=num_threads, seed=seed, **atari_kwargs, **render)
+    return envpool.make(
+        args.env_id,
+        env_type="gymnasium",
+        num_envs=num_envs,
+        batch_size=batch_size,
+        num_threads=num_threads,
+        seed=seed,
+        **atari_kwargs,
+        **render,
+    )
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -190,9 +201,13 @@ class ConvSequence(nn.Module):
 
 
 def mlp(in_features, out_features, std, hidden=256):
-    return nn.Sequential(layer_init(nn.Linear(in_features, hidden)), nn.ReLU(),
-                         layer_init(nn.Linear(hidden, hidden)), nn.ReLU(),
-                         layer_init(nn.Linear(hidden, out_features), std=std))
+    return nn.Sequential(
+        layer_init(nn.Linear(in_features, hidden)),
+        nn.ReLU(),
+        layer_init(nn.Linear(hidden, hidden)),
+        nn.ReLU(),
+        layer_init(nn.Linear(hidden, out_features), std=std),
+    )
 
 
 class Agent(nn.Module):
@@ -207,14 +222,28 @@ class Agent(nn.Module):
             self.torso = nn.Sequential()  # empty: the identity
         elif network == "shallow":
             self.obs_scale, hidden = 255.0, 512
-            self.torso = nn.Sequential(layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)), nn.ReLU(),
-                                       layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-                                       layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
-                                       nn.Flatten(), layer_init(nn.Linear(64 * 7 * 7, hidden)), nn.ReLU())
+            self.torso = nn.Sequential(
+                layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)),
+                nn.ReLU(),
+                layer_init(nn.Conv2d(32, 64, 4, stride=2)),
+                nn.ReLU(),
+                layer_init(nn.Conv2d(64, 64, 3, stride=1)),
+                nn.ReLU(),
+                nn.Flatten(),
+                layer_init(nn.Linear(64 * 7 * 7, hidden)),
+                nn.ReLU(),
+            )
         else:
             self.obs_scale, hidden = 255.0, 256
-            self.torso = nn.Sequential(ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32),
-                                       nn.Flatten(), nn.ReLU(), layer_init(nn.Linear(32 * 11 * 11, hidden)), nn.ReLU())
+            self.torso = nn.Sequential(
+                ConvSequence(obs_shape[0], 16),
+                ConvSequence(16, 32),
+                ConvSequence(32, 32),
+                nn.Flatten(),
+                nn.ReLU(),
+                layer_init(nn.Linear(32 * 11 * 11, hidden)),
+                nn.ReLU(),
+            )
         self.lstm = nn.LSTMCell(hidden, max(hidden, 64)) if use_lstm else None
         core_size = self.lstm.hidden_size if use_lstm else hidden
         if len(obs_shape) == 1:
@@ -364,7 +393,7 @@ class GameRecorder:
                 for game_return, length in ended:
                     self.writer.close()
                     self.writer = None
-                    os.replace(self.path, f"{self.path[:-len('.mp4')]}-return{game_return:g}-steps{length}.mp4")
+                    os.replace(self.path, f"{self.path[: -len('.mp4')]}-return{game_return:g}-steps{length}.mp4")
         except Exception as e:
             print(f"warning: --capture-video stopped: {e!r}", file=sys.stderr, flush=True)
             self.writer, self.next_start = None, float("inf")
@@ -399,9 +428,13 @@ def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device,
         first, ended = games.update(env_ids, reward, terminated, truncated, info)
         episodes.extend(ended)
         if recorder is not None and 0 in env_ids:
-            recorder.step(first[env_ids == 0][0] and games.lengths[0] == 0, [g[1:] for g in ended if g[0] == 0], policy.version)
+            recorder.step(
+                first[env_ids == 0][0] and games.lengths[0] == 0, [g[1:] for g in ended if g[0] == 0], policy.version
+            )
         index, first_t = torch.from_numpy(env_ids).to(device), torch.from_numpy(first).to(device)
-        state = tuple(s[index] * ~first_t.unsqueeze(-1) for s in core_state)  # fed to the core on obs: reset where it starts an episode
+        state = tuple(
+            s[index] * ~first_t.unsqueeze(-1) for s in core_state
+        )  # fed to the core on obs: reset where it starts an episode
         action, logits, next_state, version = policy.act(torch.from_numpy(obs).to(device), first_t, state)
         for s, next_s in zip(core_state, next_state):
             s[index] = next_s
@@ -411,13 +444,18 @@ def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device,
             start["core_state"] = torch.stack(state, dim=1).cpu().numpy()  # [n, 2, hidden]
         # reward: received on arriving at obs, unclipped; terminated / truncated: obs is a final obs (the env resets
         # on its next step, ignoring that action); logits: the behavior policy on obs.
-        rollouts += assembler.add(env_ids, dict(obs=obs, reward=reward, terminated=terminated, truncated=truncated,
-                                                action=action, logits=logits.cpu().numpy()), start)
+        rollouts += assembler.add(
+            env_ids,
+            dict(
+                obs=obs, reward=reward, terminated=terminated, truncated=truncated, action=action, logits=logits.cpu().numpy()
+            ),
+            start,
+        )
         envs.send(action, env_ids)
         put_start = time.time()
         while len(rollouts) >= args.batch_size and not stop.is_set():
             batch = stack_rollouts(rollouts[: args.batch_size], pin_memory=device.type == "cuda")
-            rollouts = rollouts[args.batch_size:]
+            rollouts = rollouts[args.batch_size :]
             while not stop.is_set():
                 with contextlib.suppress(queue.Full):
                     batch_queue.put(batch, timeout=0.5)
@@ -451,14 +489,26 @@ def compute_loss(agent, batch, args):
     # (vs = V(final obs)) and gives the step no advantage.
     log_rhos = (target_log_probs - behavior_log_probs).masked_fill(done[:-1], float("-inf"))
     vtrace_returns = vtrace.from_importance_weights(
-        log_rhos=log_rhos, discounts=discounts, rewards=rewards, values=values[:-1], bootstrap_value=values[-1],
-        clip_rho_threshold=args.clip_rho_threshold, clip_pg_rho_threshold=args.clip_pg_rho_threshold, lambda_=args.vtrace_lambda)
+        log_rhos=log_rhos,
+        discounts=discounts,
+        rewards=rewards,
+        values=values[:-1],
+        bootstrap_value=values[-1],
+        clip_rho_threshold=args.clip_rho_threshold,
+        clip_pg_rho_threshold=args.clip_pg_rho_threshold,
+        lambda_=args.vtrace_lambda,
+    )
     policy_loss = -(vtrace_returns.pg_advantages * target_log_probs).sum()
     value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
     entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum()
-    stats = {"losses/policy_loss": policy_loss, "losses/value_loss": value_loss, "losses/entropy": entropy.mean(),
-             "losses/loss": loss, "stats/value": values[:-1].mean()}
+    stats = {
+        "losses/policy_loss": policy_loss,
+        "losses/value_loss": value_loss,
+        "losses/entropy": entropy.mean(),
+        "losses/loss": loss,
+        "stats/value": values[:-1].mean(),
+    }
     for i, features in enumerate(agent.features, 1):  # a unit (a conv's channel) 0 on every step learns nothing from it
         stats[f"stats/dead_units_{i}"] = (features <= 0).transpose(0, 1).flatten(1).all(1).float().mean()
     return loss, stats
@@ -500,20 +550,37 @@ def check_args(args):
     """Exits with a one-line error on bad input, before anything is started."""
     try:
         spec = envpool.make_spec(args.env_id)
-        supported = isinstance(spec.action_space, gym.spaces.Discrete) and (is_atari(args.env_id) or len(spec.observation_space.shape) == 1)
+        supported = isinstance(spec.action_space, gym.spaces.Discrete) and (
+            is_atari(args.env_id) or len(spec.observation_space.shape) == 1
+        )
     except Exception:
         supported = False
     if not supported:
-        sys.exit(f"error: unknown --env-id {args.env_id!r}: use an Atari id as in EnvPool (Pong-v5, Breakout-v5, ...) "
-                 "or a gymnasium classic-control id (CartPole-v1, Acrobot-v1, ...)")
-    for name in ("total_timesteps", "num_envs", "env_batch_size", "num_threads", "unroll_length", "batch_size",
-                 "queue_size", "num_torch_threads", "eval_episodes", "stall_timeout", "video_interval"):
+        sys.exit(
+            f"error: unknown --env-id {args.env_id!r}: use an Atari id as in EnvPool (Pong-v5, Breakout-v5, ...) "
+            "or a gymnasium classic-control id (CartPole-v1, Acrobot-v1, ...)"
+        )
+    for name in (
+        "total_timesteps",
+        "num_envs",
+        "env_batch_size",
+        "num_threads",
+        "unroll_length",
+        "batch_size",
+        "queue_size",
+        "num_torch_threads",
+        "eval_episodes",
+        "stall_timeout",
+        "video_interval",
+    ):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     args.env_batch_size = args.env_batch_size or max(1, args.num_envs // 2)  # unset (None) or positive by now
     if args.env_batch_size > args.num_envs:
-        sys.exit(f"error: --env-batch-size {args.env_batch_size} is larger than --num-envs {args.num_envs}: "
-                 "each recv() returns at most all the envs")
+        sys.exit(
+            f"error: --env-batch-size {args.env_batch_size} is larger than --num-envs {args.num_envs}: "
+            "each recv() returns at most all the envs"
+        )
     # Each env's [T + 1] rollout, plus the batches in the queue, being stacked and being learned from, per local rank.
     obs_bytes = int(np.prod(spec.observation_space.shape)) * spec.observation_space.dtype.itemsize
     needed = (args.num_envs + (args.queue_size + 2) * args.batch_size) * (args.unroll_length + 1) * obs_bytes
@@ -524,9 +591,14 @@ def check_args(args):
     except (OSError, StopIteration):
         available = None
     if available is not None and needed > available:
-        sys.exit(f"error: --num-envs {args.num_envs} needs {needed / 2**30:.1f} GiB of rollout buffers, but "
-                 f"{available / 2**30:.1f} GiB of memory is available: lower --num-envs, --batch-size or --unroll-length")
-    for flag, needs, packages in (("track", ["wandb"], "wandb"), ("capture_video", ["imageio", "imageio_ffmpeg"], "imageio imageio-ffmpeg")):
+        sys.exit(
+            f"error: --num-envs {args.num_envs} needs {needed / 2**30:.1f} GiB of rollout buffers, but "
+            f"{available / 2**30:.1f} GiB of memory is available: lower --num-envs, --batch-size or --unroll-length"
+        )
+    for flag, needs, packages in (
+        ("track", ["wandb"], "wandb"),
+        ("capture_video", ["imageio", "imageio_ffmpeg"], "imageio imageio-ffmpeg"),
+    ):
         if getattr(args, flag) and not all(importlib.util.find_spec(name) for name in needs):
             sys.exit(f"error: --{flag.replace('_', '-')} needs {packages}: pip install {packages}")
     if args.capture_video and not is_atari(args.env_id):
@@ -540,10 +612,14 @@ def check_args(args):
     args.num_torch_threads = args.num_torch_threads or (max(1, cores // 2) if args.bf16 else cores)
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):  # restarts: see "Restarts" in the README
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            sys.exit("error: torchrun --max-restarts: restarted ranks would read the dead ranks' addresses from torchrun's "
-                     "shared store: launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (across nodes also --rdzv-backend c10d)")
+            sys.exit(
+                "error: torchrun --max-restarts: restarted ranks would read the dead ranks' addresses from torchrun's "
+                "shared store: launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (across nodes also --rdzv-backend c10d)"
+            )
         if os.environ.get("TORCHELASTIC_RUN_ID") == "none" and not (args.run_name or args.resume):
-            sys.exit("error: torchrun --max-restarts needs a run folder that every restart finds: pass --run-name or torchrun --rdzv-id")
+            sys.exit(
+                "error: torchrun --max-restarts needs a run folder that every restart finds: pass --run-name or torchrun --rdzv-id"
+            )
     for name, path in (("resume", args.resume), ("eval_checkpoint", args.eval_checkpoint)):
         if path is not None and not os.path.isfile(path) and os.environ.get("RANK", "0") == "0":
             sys.exit(f"error: --{name.replace('_', '-')} {path}: no such file")
@@ -557,8 +633,10 @@ def load_checkpoint(path, args):
         sys.exit(f"error: cannot read checkpoint {path} ({type(e).__name__}): pass a checkpoint.pt written by this script")
     for name in ("env_id", "network", "use_lstm"):
         if trained[name] != getattr(args, name):
-            sys.exit(f"error: checkpoint {path} is for --{name.replace('_', '-')} {trained[name]}, not {getattr(args, name)}: "
-                     "pass the same flag as in training")
+            sys.exit(
+                f"error: checkpoint {path} is for --{name.replace('_', '-')} {trained[name]}, not {getattr(args, name)}: "
+                "pass the same flag as in training"
+            )
     return checkpoint
 
 
@@ -568,8 +646,16 @@ def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
     if not all(torch.isfinite(p).all() for p in agent.parameters()):
         print(f"error: the parameters are not finite at global_step={global_step}: {path} not overwritten", file=sys.stderr)
         return False
-    torch.save(dict(model=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=global_step,
-                    num_updates=num_updates, args=vars(args)), path + ".tmp")
+    torch.save(
+        dict(
+            model=agent.state_dict(),
+            optimizer=optimizer.state_dict(),
+            global_step=global_step,
+            num_updates=num_updates,
+            args=vars(args),
+        ),
+        path + ".tmp",
+    )
     if os.path.exists(path):
         previous = path[: -len(".pt")] + ".prev.pt"
         shutil.copyfile(path, previous + ".tmp")
@@ -626,8 +712,10 @@ if __name__ == "__main__":
 
     if args.eval_checkpoint:
         returns = evaluate(args, ActingPolicy(agent, version=checkpoint["num_updates"]), device)
-        print(f"{args.env_id}: mean return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} games "
-              f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})")
+        print(
+            f"{args.env_id}: mean return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} games "
+            f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})"
+        )
         sys.exit(0)
 
     optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
@@ -641,14 +729,27 @@ if __name__ == "__main__":
             import wandb  # only with --track
 
             args.wandb_id = checkpoint["args"].get("wandb_id") if checkpoint else None
-            args.wandb_id = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                                       config=vars(args), name=args.run_name, monitor_gym=False, save_code=True,
-                                       id=args.wandb_id, resume="allow").id
-        writer = SummaryWriter(run_dir, purge_step=global_step + 1 if checkpoint else None)  # drop what was logged after the checkpoint
+            args.wandb_id = wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=vars(args),
+                name=args.run_name,
+                monitor_gym=False,
+                save_code=True,
+                id=args.wandb_id,
+                resume="allow",
+            ).id
+        writer = SummaryWriter(
+            run_dir, purge_step=global_step + 1 if checkpoint else None
+        )  # drop what was logged after the checkpoint
         table = "\n".join(f"|{key}|{value}|" for key, value in {**vars(args), "world_size": world_size}.items())
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
         resumed = f", continuing {load_path} at global_step={global_step}" if restart else ""
-        print(f"{run_dir}: training on {world_size} x {device}, network forward in {str(agent.dtype)[len('torch.'):]}{resumed}", flush=True)
+        print(
+            f"{run_dir}: training on {world_size} x {device}, network forward in {str(agent.dtype)[len('torch.') :]}{resumed}",
+            flush=True,
+        )
 
     def log(tag, value):
         if writer is not None:
@@ -665,8 +766,13 @@ if __name__ == "__main__":
 
     def actor_thread():
         try:
-            recorder = GameRecorder(lambda: envs.render(env_ids=[0])[0], os.path.join("videos", args.run_name),
-                                    args.video_interval * 60) if args.capture_video and master_process else None
+            recorder = (
+                GameRecorder(
+                    lambda: envs.render(env_ids=[0])[0], os.path.join("videos", args.run_name), args.video_interval * 60
+                )
+                if args.capture_video and master_process
+                else None
+            )
             actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device, recorder)
         except Exception as e:
             errors.append(f"the actor loop failed: {e!r}")
@@ -682,7 +788,9 @@ if __name__ == "__main__":
                 wait_start, batch = time.time(), None
                 while batch is None and not stop.is_set():  # a batch on the learner's device; None once `stop` is set
                     with contextlib.suppress(queue.Empty):
-                        batch = {key: value.to(device, non_blocking=True) for key, value in batch_queue.get(timeout=0.5).items()}
+                        batch = {
+                            key: value.to(device, non_blocking=True) for key, value in batch_queue.get(timeout=0.5).items()
+                        }
                 with learn_lock:
                     update_start = time.time()
                     lr = args.learning_rate * (1.0 - global_step / args.total_timesteps if args.anneal_lr else 1.0)
@@ -696,9 +804,14 @@ if __name__ == "__main__":
                         break
                     grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
                     if not torch.isfinite(grad_norm):  # after the all_reduce: every rank sees it and stops here
-                        bad = ", ".join(key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)) or "the gradient"
-                        errors.append(f"update {num_updates + 1} at global_step={global_step} is not finite ({bad}): not applied, "
-                                      "the checkpoint keeps the parameters before it; lower --learning-rate or check the rewards")
+                        bad = (
+                            ", ".join(key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value))
+                            or "the gradient"
+                        )
+                        errors.append(
+                            f"update {num_updates + 1} at global_step={global_step} is not finite ({bad}): not applied, "
+                            "the checkpoint keeps the parameters before it; lower --learning-rate or check the rewards"
+                        )
                         stop.set()
                         break
                     optimizer.step()
@@ -708,8 +821,14 @@ if __name__ == "__main__":
                     global_step += args.unroll_length * args.batch_size * world_size
                     stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": grad_norm > args.max_grad_norm})
                     stats = dict(zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()))  # one device sync
-                    stats.update({"charts/learning_rate": lr, "stats/policy_lag": policy_lag,
-                                  "stats/batch_wait_time": update_start - wait_start, "stats/update_time": time.time() - update_start})
+                    stats.update(
+                        {
+                            "charts/learning_rate": lr,
+                            "stats/policy_lag": policy_lag,
+                            "stats/batch_wait_time": update_start - wait_start,
+                            "stats/update_time": time.time() - update_start,
+                        }
+                    )
                     for tag, value in stats.items():
                         log(tag, value)
             if world_size > 1:  # a cheap end-of-run check that the ranks stayed in step
@@ -760,8 +879,11 @@ if __name__ == "__main__":
                 timings.clear()
                 if master_process:
                     mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
-                    print(f"global_step={global_step} SPS={sps} updates={num_updates} "
-                          f"episodic_return(last {len(recent_returns)})={mean_return}", flush=True)
+                    print(
+                        f"global_step={global_step} SPS={sps} updates={num_updates} "
+                        f"episodic_return(last {len(recent_returns)})={mean_return}",
+                        flush=True,
+                    )
                 last_log = now
             if master_process and now - last_checkpoint >= args.checkpoint_interval:
                 with learn_lock:
@@ -787,9 +909,12 @@ if __name__ == "__main__":
             saved = save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
             exit_code = exit_code if saved else 1
             in_sync = f", parameters identical on all {world_size} ranks" if params_in_sync == [True] else ""
-            print(f"{'saved' if saved else 'did not save'} {checkpoint_path} at global_step={global_step}{in_sync} "
-                  f"(mean of the last {len(recent_returns)} episodic returns: "
-                  f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f})", flush=True)
+            print(
+                f"{'saved' if saved else 'did not save'} {checkpoint_path} at global_step={global_step}{in_sync} "
+                f"(mean of the last {len(recent_returns)} episodic returns: "
+                f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f})",
+                flush=True,
+            )
             writer.close()
         if world_size > 1:
             dist.destroy_process_group()

@@ -26,8 +26,16 @@ import plot_curves  # this folder's: it draws the curves and reads the runs' eve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Three games with public curves to compare with, then the five of Atari-5.
-GAMES = ["Pong-v5", "Breakout-v5", "BeamRider-v5", "BattleZone-v5", "DoubleDunk-v5", "NameThisGame-v5", "Phoenix-v5",
-         "Qbert-v5"]
+GAMES = [
+    "Pong-v5",
+    "Breakout-v5",
+    "BeamRider-v5",
+    "BattleZone-v5",
+    "DoubleDunk-v5",
+    "NameThisGame-v5",
+    "Phoenix-v5",
+    "Qbert-v5",
+]
 RUN_FIELDS = ["env_id", "script", "seed", "total_timesteps", "global_step", "hours", "episodes"]
 WINDOW = 100  # games in each seed's final score
 
@@ -36,23 +44,63 @@ WINDOW = 100  # games in each seed's final score
 # (dqn_zoo/atari_data.py) has the same values to one decimal, except VideoPinball's random score (16256.9 there).
 # SpaceInvaders' random score is 148.0 as in DQN Zoo: that CSV's 148.3 matches no other copy.
 HUMAN_RANDOM = {
-    "Alien": (227.75, 7127.7), "Amidar": (5.77, 1719.5), "Assault": (222.39, 742.0), "Asterix": (210.0, 8503.3),
-    "Asteroids": (719.1, 47388.7), "Atlantis": (12850.0, 29028.1), "BankHeist": (14.2, 753.1),
-    "BattleZone": (2360.0, 37187.5), "BeamRider": (363.88, 16926.5), "Berzerk": (123.65, 2630.4),
-    "Bowling": (23.11, 160.7), "Boxing": (0.05, 12.1), "Breakout": (1.72, 30.5), "Centipede": (2090.87, 12017.0),
-    "ChopperCommand": (811.0, 7387.8), "CrazyClimber": (10780.5, 35829.4), "Defender": (2874.5, 18688.9),
-    "DemonAttack": (152.07, 1971.0), "DoubleDunk": (-18.55, -16.4), "Enduro": (0.0, 860.5),
-    "FishingDerby": (-91.71, -38.7), "Freeway": (0.01, 29.6), "Frostbite": (65.2, 4334.7), "Gopher": (257.6, 2412.5),
-    "Gravitar": (173.0, 3351.4), "Hero": (1026.97, 30826.4), "IceHockey": (-11.15, 0.9), "Jamesbond": (29.0, 302.8),
-    "Kangaroo": (52.0, 3035.0), "Krull": (1598.05, 2665.5), "KungFuMaster": (258.5, 22736.3),
-    "MontezumaRevenge": (0.0, 4753.3), "MsPacman": (307.3, 6951.6), "NameThisGame": (2292.35, 8049.0),
-    "Phoenix": (761.4, 7242.6), "Pitfall": (-229.44, 6463.7), "Pong": (-20.71, 14.6), "PrivateEye": (24.94, 69571.3),
-    "Qbert": (163.88, 13455.0), "Riverraid": (1338.5, 17118.0), "RoadRunner": (11.5, 7845.0), "Robotank": (2.16, 11.9),
-    "Seaquest": (68.4, 42054.7), "Skiing": (-17098.09, -4336.9), "Solaris": (1236.3, 12326.7),
-    "SpaceInvaders": (148.0, 1668.7), "StarGunner": (664.0, 10250.0), "Surround": (-9.99, 6.53),
-    "Tennis": (-23.84, -8.3), "TimePilot": (3568.0, 5229.2), "Tutankham": (11.43, 167.6), "UpNDown": (533.4, 11693.2),
-    "Venture": (0.0, 1187.5), "VideoPinball": (0.0, 17667.9), "WizardOfWor": (563.5, 4756.5),
-    "YarsRevenge": (3092.91, 54576.9), "Zaxxon": (32.5, 9173.3),
+    "Alien": (227.75, 7127.7),
+    "Amidar": (5.77, 1719.5),
+    "Assault": (222.39, 742.0),
+    "Asterix": (210.0, 8503.3),
+    "Asteroids": (719.1, 47388.7),
+    "Atlantis": (12850.0, 29028.1),
+    "BankHeist": (14.2, 753.1),
+    "BattleZone": (2360.0, 37187.5),
+    "BeamRider": (363.88, 16926.5),
+    "Berzerk": (123.65, 2630.4),
+    "Bowling": (23.11, 160.7),
+    "Boxing": (0.05, 12.1),
+    "Breakout": (1.72, 30.5),
+    "Centipede": (2090.87, 12017.0),
+    "ChopperCommand": (811.0, 7387.8),
+    "CrazyClimber": (10780.5, 35829.4),
+    "Defender": (2874.5, 18688.9),
+    "DemonAttack": (152.07, 1971.0),
+    "DoubleDunk": (-18.55, -16.4),
+    "Enduro": (0.0, 860.5),
+    "FishingDerby": (-91.71, -38.7),
+    "Freeway": (0.01, 29.6),
+    "Frostbite": (65.2, 4334.7),
+    "Gopher": (257.6, 2412.5),
+    "Gravitar": (173.0, 3351.4),
+    "Hero": (1026.97, 30826.4),
+    "IceHockey": (-11.15, 0.9),
+    "Jamesbond": (29.0, 302.8),
+    "Kangaroo": (52.0, 3035.0),
+    "Krull": (1598.05, 2665.5),
+    "KungFuMaster": (258.5, 22736.3),
+    "MontezumaRevenge": (0.0, 4753.3),
+    "MsPacman": (307.3, 6951.6),
+    "NameThisGame": (2292.35, 8049.0),
+    "Phoenix": (761.4, 7242.6),
+    "Pitfall": (-229.44, 6463.7),
+    "Pong": (-20.71, 14.6),
+    "PrivateEye": (24.94, 69571.3),
+    "Qbert": (163.88, 13455.0),
+    "Riverraid": (1338.5, 17118.0),
+    "RoadRunner": (11.5, 7845.0),
+    "Robotank": (2.16, 11.9),
+    "Seaquest": (68.4, 42054.7),
+    "Skiing": (-17098.09, -4336.9),
+    "Solaris": (1236.3, 12326.7),
+    "SpaceInvaders": (148.0, 1668.7),
+    "StarGunner": (664.0, 10250.0),
+    "Surround": (-9.99, 6.53),
+    "Tennis": (-23.84, -8.3),
+    "TimePilot": (3568.0, 5229.2),
+    "Tutankham": (11.43, 167.6),
+    "UpNDown": (533.4, 11693.2),
+    "Venture": (0.0, 1187.5),
+    "VideoPinball": (0.0, 17667.9),
+    "WizardOfWor": (563.5, 4756.5),
+    "YarsRevenge": (3092.91, 54576.9),
+    "Zaxxon": (32.5, 9173.3),
 }
 # Atari-5 (Aitchison, Sweetser, Hutter 2023; github.com/maitchison/Atari-5): a regression without intercept from five
 # games' log scores to the log Atari-57 median, on HNS in percent; its 10-fold cross-validated error is 10.4% of the
@@ -126,15 +174,25 @@ def record(out, run_dir, env_id, script, seed, total_timesteps):
     """Merges a finished run's curve into curves.csv (replacing its old rows) and the run into runs.csv; returns its
     returns. Hours count training time only: the sum of its sessions (plot_curves.sessions)."""
     curve = plot_curves.read_run(run_dir)
-    rows = [dict(env_id=env_id, script=script, seed=seed, global_step=step, hours=round(hours, 6), episodic_return=value)
-            for step, hours, value in curve]  # hours to 3.6 ms: the CSV is committed
+    rows = [
+        dict(env_id=env_id, script=script, seed=seed, global_step=step, hours=round(hours, 6), episodic_return=value)
+        for step, hours, value in curve
+    ]  # hours to 3.6 ms: the CSV is committed
     os.makedirs(out, exist_ok=True)
     curves = [r for r in read_csv(os.path.join(out, "curves.csv")) if key(r) != (env_id, script, seed)] + rows
-    write_csv(os.path.join(out, "curves.csv"), plot_curves.FIELDS,
-              sorted(curves, key=lambda r: (*key(r), int(r["global_step"]))))
+    write_csv(
+        os.path.join(out, "curves.csv"), plot_curves.FIELDS, sorted(curves, key=lambda r: (*key(r), int(r["global_step"])))
+    )
     hours = sum(last - first for first, last in plot_curves.sessions(run_dir)) / 3600
-    run = dict(env_id=env_id, script=script, seed=seed, total_timesteps=total_timesteps,
-               global_step=checkpoint_step(os.path.join(run_dir, "checkpoint.pt")), hours=round(hours, 4), episodes=len(rows))
+    run = dict(
+        env_id=env_id,
+        script=script,
+        seed=seed,
+        total_timesteps=total_timesteps,
+        global_step=checkpoint_step(os.path.join(run_dir, "checkpoint.pt")),
+        hours=round(hours, 4),
+        episodes=len(rows),
+    )
     runs = [r for r in read_csv(os.path.join(out, "runs.csv")) if key(r) != (env_id, script, seed)] + [run]
     write_csv(os.path.join(out, "runs.csv"), RUN_FIELDS, sorted(runs, key=key))
     return [value for _, _, value in curve]
@@ -156,11 +214,16 @@ def run_all(args, script, extra):
         step = checkpoint_step(os.path.join(run_dir, "checkpoint.pt"))
         if step is not None and step >= args.total_timesteps:  # finished, but not recorded (e.g. the runner was stopped)
             returns = record(args.out, run_dir, env_id, name, seed, args.total_timesteps)
-            print(f"{tag}: skipped, finished at global_step {step} per its checkpoint: recorded, {last_mean(returns)}",
-                  flush=True)
+            print(
+                f"{tag}: skipped, finished at global_step {step} per its checkpoint: recorded, {last_mean(returns)}",
+                flush=True,
+            )
         elif step is None and plot_curves.sessions(run_dir):  # its events would mix with a fresh run's: never reuse them
-            print(f"{tag}: failed, {run_dir} has no checkpoint to resume (another runner's run, or one that died before "
-                  "its first checkpoint): remove it to start over", flush=True)
+            print(
+                f"{tag}: failed, {run_dir} has no checkpoint to resume (another runner's run, or one that died before "
+                "its first checkpoint): remove it to start over",
+                flush=True,
+            )
             failed += 1
         else:
             pending.append((tag, env_id, seed, run_name, run_dir, step))
@@ -173,16 +236,28 @@ def run_all(args, script, extra):
         while pending or running:
             while pending and len(running) < args.jobs:
                 tag, env_id, seed, run_name, run_dir, step = pending.pop(0)
-                command = [sys.executable, script, "--env-id", env_id, "--seed", str(seed),
-                           "--total-timesteps", str(args.total_timesteps), "--run-name", run_name, *extra]
+                command = [
+                    sys.executable,
+                    script,
+                    "--env-id",
+                    env_id,
+                    "--seed",
+                    str(seed),
+                    "--total-timesteps",
+                    str(args.total_timesteps),
+                    "--run-name",
+                    run_name,
+                    *extra,
+                ]
                 if step is not None:
                     command += ["--resume", os.path.abspath(os.path.join(run_dir, "checkpoint.pt"))]
                 log_path = os.path.join(args.runs_dir, f"{run_name}.log")
                 with open(log_path, "a") as log:
                     log.write(f"### {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n")
                     log.flush()
-                    process = subprocess.Popen(command, cwd=args.runs_dir, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True)
+                    process = subprocess.Popen(
+                        command, cwd=args.runs_dir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    )
                 running[process] = (tag, env_id, seed, run_dir, log_path, time.time())
                 print(f"{tag}: {'started' if step is None else f'resumed at global_step {step}'}", flush=True)
             time.sleep(0.2)
@@ -229,12 +304,18 @@ def report(args, script):
     frames = plot_curves.count(args.total_timesteps * plot_curves.frames_per_step(args.env_ids[0]))
     name = os.path.splitext(os.path.basename(script))[0]
     scripts = [name] + sorted({s for _, s, _ in runs} - {name})
-    lines = [f"# Atari benchmark: {args.total_timesteps:,} steps ({frames} frames) per run", "",
-             (f"Each seed's score is the mean of its last {WINDOW} full-game returns at or before the budget; cells give the "
-              "mean ± sample standard deviation (ddof=1) over seeds. HNS = (score - random) / (human - random) per seed "
-              "(random and human scores of Badia et al. 2020), then mean ± std. Wall time: training time per run."), "",
-             f"| game | script | seeds | mean of last {WINDOW} returns | HNS | wall time per run | notes |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    lines = [
+        f"# Atari benchmark: {args.total_timesteps:,} steps ({frames} frames) per run",
+        "",
+        (
+            f"Each seed's score is the mean of its last {WINDOW} full-game returns at or before the budget; cells give the "
+            "mean ± sample standard deviation (ddof=1) over seeds. HNS = (score - random) / (human - random) per seed "
+            "(random and human scores of Badia et al. 2020), then mean ± std. Wall time: training time per run."
+        ),
+        "",
+        f"| game | script | seeds | mean of last {WINDOW} returns | HNS | wall time per run | notes |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
     unfinished, hns_by_seed = [], {}  # hns_by_seed: {script: {seed: {game: HNS}}}
     for env_id in args.env_ids:
         for script_name in scripts:
@@ -256,8 +337,10 @@ def report(args, script):
                     hns_by_seed.setdefault(script_name, {}).setdefault(seed, {})[game(env_id)] = hns_values[-1]
             if finished:
                 hours = np.mean([float(r["hours"]) for r in finished])
-                lines.append(f"| {env_id} | {script_name} | {len(finished)} | {mean_std(scores, 1)} | "
-                             f"{mean_std(hns_values, 3)} | {plot_curves.duration(hours)} | {'; '.join(notes)} |")
+                lines.append(
+                    f"| {env_id} | {script_name} | {len(finished)} | {mean_std(scores, 1)} | "
+                    f"{mean_std(hns_values, 3)} | {plot_curves.duration(hours)} | {'; '.join(notes)} |"
+                )
     lines += atari5_lines(hns_by_seed)
     if unfinished:
         lines += ["", f"Not finished at {args.total_timesteps:,} steps (not in the table):", ""]
@@ -283,20 +366,28 @@ def atari5_lines(hns_by_seed):
         estimate = atari5_median({name: np.mean(values) for name, values in by_game.items()})
         complete = sorted(seed for seed, s in seeds.items() if set(ATARI5_WEIGHTS) <= set(s))
         per_seed = [atari5_median(seeds[seed]) for seed in complete]
-        lines.append(f"- {script_name}: {estimate:.3f} from the mean-over-seeds HNS of each game; per seed "
-                     f"(seeds {', '.join(map(str, complete))}): {mean_std(per_seed, 3)}")
+        lines.append(
+            f"- {script_name}: {estimate:.3f} from the mean-over-seeds HNS of each game; per seed "
+            f"(seeds {', '.join(map(str, complete))}): {mean_std(per_seed, 3)}"
+        )
     if not lines:
         return []
-    return ["", "## Atari-5 estimate of the Atari-57 median HNS", "",
-            ("Aitchison, Sweetser, Hutter 2023: log10(1 + median) = sum of w_i log10(1 + max(HNS_i, 0)) with HNS in percent, "
-             f"weights {', '.join(f'{name} {w:.4f}' for name, w in ATARI5_WEIGHTS.items())}; "
-             "about 10% error (cross-validated)."),
-            ""] + lines
+    return [
+        "",
+        "## Atari-5 estimate of the Atari-57 median HNS",
+        "",
+        (
+            "Aitchison, Sweetser, Hutter 2023: log10(1 + median) = sum of w_i log10(1 + max(HNS_i, 0)) with HNS in percent, "
+            f"weights {', '.join(f'{name} {w:.4f}' for name, w in ATARI5_WEIGHTS.items())}; "
+            "about 10% error (cross-validated)."
+        ),
+        "",
+    ] + lines
 
 
 def parse_args(argv):
     """The runner's flags, and the flags after the first `--`, passed verbatim to every run."""
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env-ids", nargs="+", default=GAMES, help="EnvPool Atari ids")

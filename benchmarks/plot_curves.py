@@ -58,8 +58,10 @@ def read_runs(runs_dir):
     rows = []
     for run_dir in sorted(glob.glob(os.path.join(runs_dir, "*__*__*__*"))):
         env_id, script, seed, _ = os.path.basename(run_dir).split("__")
-        rows += [dict(env_id=env_id, script=script, seed=int(seed), global_step=step, hours=hours, episodic_return=ret)
-                 for step, hours, ret in read_run(run_dir)]
+        rows += [
+            dict(env_id=env_id, script=script, seed=int(seed), global_step=step, hours=hours, episodic_return=ret)
+            for step, hours, ret in read_run(run_dir)
+        ]
     return rows
 
 
@@ -75,7 +77,8 @@ def group(rows):
     groups = defaultdict(lambda: defaultdict(list))
     for row in rows:
         groups[row["env_id"], row["script"]][int(row["seed"])].append(
-            (int(row["global_step"]), float(row["hours"]), float(row["episodic_return"])))
+            (int(row["global_step"]), float(row["hours"]), float(row["episodic_return"]))
+        )
     return {key: {seed: np.array(sorted(points)).T for seed, points in seeds.items()} for key, seeds in groups.items()}
 
 
@@ -89,10 +92,20 @@ def summarize(rows, window, targets):
             frames = steps * frame_skip
             means = running_mean(returns, window)
             reached = np.nonzero((np.arange(len(returns)) >= window - 1) & (means >= targets.get(env_id, np.inf)))[0]
-            table.append(dict(env_id=env_id, script=script, seed=seed, frames=int(frames[-1]), hours=hours[-1],
-                              episodes=len(returns), final=means[-1],
-                              target=targets.get(env_id), frames_to_target=int(frames[reached[0]]) if len(reached) else None,
-                              hours_to_target=hours[reached[0]] if len(reached) else None))
+            table.append(
+                dict(
+                    env_id=env_id,
+                    script=script,
+                    seed=seed,
+                    frames=int(frames[-1]),
+                    hours=hours[-1],
+                    episodes=len(returns),
+                    final=means[-1],
+                    target=targets.get(env_id),
+                    frames_to_target=int(frames[reached[0]]) if len(reached) else None,
+                    hours_to_target=hours[reached[0]] if len(reached) else None,
+                )
+            )
     return table
 
 
@@ -105,13 +118,19 @@ def duration(hours):
 
 
 def markdown(table, window):
-    lines = [f"| env | script | seed | frames | wall time | episodes | mean of last {window} | target | frames to target | time to target |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| env | script | seed | frames | wall time | episodes | mean of last {window} | target | frames to target | time to target |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in table:
-        reached = (count(r["frames_to_target"]), duration(r["hours_to_target"])) if r["frames_to_target"] is not None else ("-", "-")
+        reached = (
+            (count(r["frames_to_target"]), duration(r["hours_to_target"])) if r["frames_to_target"] is not None else ("-", "-")
+        )
         target = "-" if r["target"] is None else f"{r['target']:g}"
-        lines.append(f"| {r['env_id']} | {r['script']} | {r['seed']} | {count(r['frames'])} | {duration(r['hours'])} | "
-                     f"{r['episodes']} | {r['final']:.1f} | {target} | {reached[0]} | {reached[1]} |")
+        lines.append(
+            f"| {r['env_id']} | {r['script']} | {r['seed']} | {count(r['frames'])} | {duration(r['hours'])} | "
+            f"{r['episodes']} | {r['final']:.1f} | {target} | {reached[0]} | {reached[1]} |"
+        )
     return "\n".join(lines)
 
 
@@ -136,7 +155,7 @@ def plot(rows, window, out):
                 curves = [(points[column] * scale, running_mean(points[2], window)) for points in seeds.values()]
                 grid = np.linspace(max(x[0] for x, _ in curves), min(x[-1] for x, _ in curves), 200)
                 ys = np.array([np.interp(grid, x, y) for x, y in curves])
-                line, = ax.plot(grid, ys.mean(axis=0), label=f"{script} ({len(curves)} seed{'s' * (len(curves) > 1)})")
+                (line,) = ax.plot(grid, ys.mean(axis=0), label=f"{script} ({len(curves)} seed{'s' * (len(curves) > 1)})")
                 if len(curves) > 1:
                     ax.fill_between(grid, ys.min(axis=0), ys.max(axis=0), color=line.get_color(), alpha=0.2)
         axes[0].set_xlabel(f"environment {'frames' if frame_skip > 1 else 'steps'} (millions)")
@@ -157,8 +176,13 @@ if __name__ == "__main__":
     parser.add_argument("--csv", help="redraw from this CSV instead of reading runs")
     parser.add_argument("--out", default="results", help="folder for curves.csv, the PNGs and results.md")
     parser.add_argument("--window", type=int, default=100, help="episodes in the running mean")
-    parser.add_argument("--target", action="append", default=[], metavar="ENV_ID=RETURN",
-                        help="report frames and hours until the running mean first reaches RETURN (repeatable)")
+    parser.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        metavar="ENV_ID=RETURN",
+        help="report frames and hours until the running mean first reaches RETURN (repeatable)",
+    )
     args = parser.parse_args()
     targets = {}
     for target in args.target:
@@ -173,8 +197,11 @@ if __name__ == "__main__":
     else:
         rows = read_runs(args.runs)
     if not rows:
-        parser.exit(1, f"error: no episodic returns in {args.csv or args.runs!r}: expected run folders named "
-                       "{env_id}__{script}__{seed}__{time} with tensorboard events\n")
+        parser.exit(
+            1,
+            f"error: no episodic returns in {args.csv or args.runs!r}: expected run folders named "
+            "{env_id}__{script}__{seed}__{time} with tensorboard events\n",
+        )
     os.makedirs(args.out, exist_ok=True)
     if not args.csv:
         with open(os.path.join(args.out, "curves.csv"), "w", newline="") as f:

@@ -48,7 +48,9 @@ def raw_gymnasium(env_id, seconds):
 
 
 def make_pool(env_id, num_envs, batch_size, num_threads):
-    return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, batch_size=batch_size, num_threads=num_threads, seed=0)
+    return envpool.make(
+        env_id, env_type="gymnasium", num_envs=num_envs, batch_size=batch_size, num_threads=num_threads, seed=0
+    )
 
 
 def raw_envpool(env_id, seconds, num_envs, batch_size, num_threads):
@@ -93,8 +95,9 @@ def acting_loop_sps(env_id, seconds, num_envs, batch_size, num_threads):
             return torch.randint(num_actions, (n,)), torch.zeros(n, num_actions), core_state, 0
 
     batch_queue, stop = queue.Queue(maxsize=args.queue_size), threading.Event()
-    thread = threading.Thread(target=actor_loop, args=(args, envs, FreePolicy(), batch_queue, [], collections.Counter(), stop,
-                                                        torch.device("cpu")))
+    thread = threading.Thread(
+        target=actor_loop, args=(args, envs, FreePolicy(), batch_queue, [], collections.Counter(), stop, torch.device("cpu"))
+    )
     thread.start()
     steps, start, counted = 0, time.time(), None
     while time.time() - start < seconds * 1.25:
@@ -129,9 +132,18 @@ def network_sps(env_id, seconds, env_batch_size, num_threads, bf16):
     policy = ActingPolicy(agent)
     optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
     dtype = np.uint8 if len(obs_shape) == 3 else np.float32
-    rollouts = [dict(obs=np.zeros((T + 1, *obs_shape), dtype), reward=np.zeros(T + 1, np.float32),
-                     terminated=np.zeros(T + 1, bool), truncated=np.zeros(T + 1, bool), action=np.zeros(T + 1, np.int64),
-                     logits=np.zeros((T + 1, num_actions), np.float32), policy_version=np.int64(0)) for _ in range(B)]
+    rollouts = [
+        dict(
+            obs=np.zeros((T + 1, *obs_shape), dtype),
+            reward=np.zeros(T + 1, np.float32),
+            terminated=np.zeros(T + 1, bool),
+            truncated=np.zeros(T + 1, bool),
+            action=np.zeros(T + 1, np.int64),
+            logits=np.zeros((T + 1, num_actions), np.float32),
+            policy_version=np.int64(0),
+        )
+        for _ in range(B)
+    ]
     obs, first = np.zeros((env_batch_size, *obs_shape), dtype), torch.zeros(env_batch_size, dtype=torch.bool, device=device)
 
     def rate(step, steps_per_call):
@@ -149,8 +161,10 @@ def network_sps(env_id, seconds, env_batch_size, num_threads, bf16):
         action.cpu().numpy(), logits.cpu().numpy()
 
     def learn():
-        batch = {key: value.to(device, non_blocking=True)
-                 for key, value in stack_rollouts(rollouts, pin_memory=device.type == "cuda").items()}
+        batch = {
+            key: value.to(device, non_blocking=True)
+            for key, value in stack_rollouts(rollouts, pin_memory=device.type == "cuda").items()
+        }
         loss, _ = compute_loss(agent, batch, args)
         optimizer.zero_grad()
         loss.backward()
@@ -161,8 +175,13 @@ def network_sps(env_id, seconds, env_batch_size, num_threads, bf16):
 
 def script_sps(script, env_id, seconds, warmup, extra=()):
     """Runs a training script and returns its steps/s between the end of the warm-up and `seconds` later."""
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, script), "--env-id", env_id, *extra],
-                               cwd=os.environ.get("TMPDIR", "/tmp"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, script), "--env-id", env_id, *extra],
+        cwd=os.environ.get("TMPDIR", "/tmp"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     points = []  # (time, global_step)
     start = time.time()
     try:
@@ -211,9 +230,11 @@ if __name__ == "__main__":
                     extra.append("--bf16" if precision == "bf16" else "--no-bf16")
                     sps = script_sps(script, env_id, args.seconds, args.warmup, map(str, extra))
                     rows.setdefault(f"{script}, default flags", {})[precision] = sps
-        print(f"\n{env_id} ({os.cpu_count()} cores): gymnasium + ale-py, 1 env, random actions: {gym_sps:.0f} steps/s; "
-              f"EnvPool async, {args.num_envs} envs, random actions: {envpool_sps:.0f} steps/s; poly's actor loop on "
-              f"that pool with a free policy: {acting_sps:.0f} steps/s ({acting_sps / envpool_sps:.2f} of raw EnvPool)")
+        print(
+            f"\n{env_id} ({os.cpu_count()} cores): gymnasium + ale-py, 1 env, random actions: {gym_sps:.0f} steps/s; "
+            f"EnvPool async, {args.num_envs} envs, random actions: {envpool_sps:.0f} steps/s; poly's actor loop on "
+            f"that pool with a free policy: {acting_sps:.0f} steps/s ({acting_sps / envpool_sps:.2f} of raw EnvPool)"
+        )
         ceiling = rows[CEILING]
         header = "".join(f" {p + ' (/ ceiling)':>20} |" for p in args.precisions)
         ratio = len(args.precisions) == 2

@@ -15,8 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(script, *args, cwd, timeout=600):
     """Runs `python script args...` in `cwd` (its runs/ folder lands there); returns the CompletedProcess."""
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def run_dirs(cwd):
@@ -46,8 +47,10 @@ UPDATES_THEN_EVAL_CASES = [(False, [], DEFAULT_PRECISION), (True, [], DEFAULT_PR
 
 # Two updates of 4 envs x 10 steps on CartPole-v1 (mono: 1 actor x 4 envs; poly: a pool of 4), for the tests that run
 # both scripts alike.
-CARTPOLE_FLAGS = {"impala_mono.py": ["--num-actors", 1, "--num-envs-per-actor", 4, "--unroll-length", 10, "--batch-size", 4],
-                  "impala_poly.py": ["--num-envs", 4, "--num-threads", 1, "--unroll-length", 10, "--batch-size", 4]}
+CARTPOLE_FLAGS = {
+    "impala_mono.py": ["--num-actors", 1, "--num-envs-per-actor", 4, "--unroll-length", 10, "--batch-size", 4],
+    "impala_poly.py": ["--num-envs", 4, "--num-threads", 1, "--unroll-length", 10, "--batch-size", 4],
+}
 
 
 def error_line(result):
@@ -79,7 +82,7 @@ def steps_to_return(script, env_id, total_timesteps, flags, cwd, threshold, n=20
     logged = scalars(run_dir, "charts/episodic_return")
     assert len(logged) >= n, logged
     returns = [value for _, value in logged]
-    reached = [step for i, (step, _) in enumerate(logged) if i >= n - 1 and np.mean(returns[i - n + 1: i + 1]) >= threshold]
+    reached = [step for i, (step, _) in enumerate(logged) if i >= n - 1 and np.mean(returns[i - n + 1 : i + 1]) >= threshold]
     return (reached[0] if reached else None), returns[-n:]
 
 
@@ -96,8 +99,17 @@ def train_then_eval(script, env_id, flags, cwd, steps_per_update, updates, preci
     game in eval mode from its checkpoint. Returns that game's return."""
     run_dir = train(script, env_id, steps_per_update * updates, flags, cwd, precision=precision)
     check_run(run_dir, updates, steps_per_update)
-    result = run(script, "--env-id", env_id, *flags, "--eval-checkpoint", os.path.join(run_dir, "checkpoint.pt"),
-                 "--eval-episodes", 1, cwd=cwd)
+    result = run(
+        script,
+        "--env-id",
+        env_id,
+        *flags,
+        "--eval-checkpoint",
+        os.path.join(run_dir, "checkpoint.pt"),
+        "--eval-episodes",
+        1,
+        cwd=cwd,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     line = result.stdout.strip().splitlines()[-1]
     assert line.startswith(f"{env_id}: mean return "), line
@@ -117,9 +129,13 @@ def breakout_batch(agent, T=20, B=8, seed=0):
     for t in range(T):
         frames.append(envs.step(actions[t])[0])
     envs.close()
-    batch = dict(obs=torch.from_numpy(np.stack(frames)), action=torch.from_numpy(actions),
-                 reward=torch.from_numpy(rng.choice([-1.0, 0.0, 1.0], p=[0.05, 0.9, 0.05], size=(T + 1, B))).float(),
-                 terminated=torch.from_numpy(rng.random((T + 1, B)) < 0.05), truncated=torch.zeros(T + 1, B, dtype=torch.bool))
+    batch = dict(
+        obs=torch.from_numpy(np.stack(frames)),
+        action=torch.from_numpy(actions),
+        reward=torch.from_numpy(rng.choice([-1.0, 0.0, 1.0], p=[0.05, 0.9, 0.05], size=(T + 1, B))).float(),
+        terminated=torch.from_numpy(rng.random((T + 1, B)) < 0.05),
+        truncated=torch.zeros(T + 1, B, dtype=torch.bool),
+    )
     with torch.no_grad():
         logits, _, _ = agent(batch["obs"], torch.zeros(T + 1, B, dtype=torch.bool), agent.initial_state(B))
     batch["logits"] = logits + 0.3 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))

@@ -19,12 +19,32 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import atari  # by path: benchmarks/ is not a package
 
 # A run of 200 steps is 10 updates of 2 rollouts x 10 steps from a pool of 4 envs: startup dominates its few seconds.
-TINY = ["--", "--num-envs", "4", "--env-batch-size", "2", "--num-threads", "1", "--num-torch-threads", "1",
-        "--unroll-length", "10", "--batch-size", "2"]
+TINY = [
+    "--",
+    "--num-envs",
+    "4",
+    "--env-batch-size",
+    "2",
+    "--num-threads",
+    "1",
+    "--num-torch-threads",
+    "1",
+    "--unroll-length",
+    "10",
+    "--batch-size",
+    "2",
+]
 # (random, human) as given by the standard table (Badia et al. 2020), written out here apart from atari.py's.
-SCORES = {"BattleZone": (2360, 37187.5), "DoubleDunk": (-18.55, -16.4), "NameThisGame": (2292.35, 8049),
-          "Phoenix": (761.4, 7242.6), "Qbert": (163.88, 13455), "Pong": (-20.71, 14.6), "Breakout": (1.72, 30.5),
-          "BeamRider": (363.88, 16926.5)}
+SCORES = {
+    "BattleZone": (2360, 37187.5),
+    "DoubleDunk": (-18.55, -16.4),
+    "NameThisGame": (2292.35, 8049),
+    "Phoenix": (761.4, 7242.6),
+    "Qbert": (163.88, 13455),
+    "Pong": (-20.71, 14.6),
+    "Breakout": (1.72, 30.5),
+    "BeamRider": (363.88, 16926.5),
+}
 WEIGHTS = {"BattleZone": 0.3820, "DoubleDunk": 0.0679, "NameThisGame": 0.3108, "Phoenix": 0.1241, "Qbert": 0.0805}
 
 
@@ -59,8 +79,11 @@ def test_runs_skip_and_resume(tmp_path):
     runs = read_csv(tmp_path / "results" / "atari" / "runs.csv")
     curves = read_csv(tmp_path / "results" / "atari" / "curves.csv")
     assert [(r["env_id"], r["seed"], r["total_timesteps"], r["global_step"]) for r in runs] == [
-        ("Breakout-v5", "1", "200", "200"), ("Breakout-v5", "2", "200", "200"),
-        ("Pong-v5", "1", "200", "200"), ("Pong-v5", "2", "200", "200")]
+        ("Breakout-v5", "1", "200", "200"),
+        ("Breakout-v5", "2", "200", "200"),
+        ("Pong-v5", "1", "200", "200"),
+        ("Pong-v5", "2", "200", "200"),
+    ]
     for r in runs:  # hours: training time from the events, the episodes those in curves.csv
         assert 0 < float(r["hours"]) < 0.1
         assert int(r["episodes"]) == sum(c["env_id"] == r["env_id"] and c["seed"] == r["seed"] for c in curves)
@@ -84,8 +107,10 @@ def test_runs_skip_and_resume(tmp_path):
     assert (resumed["global_step"], resumed["args"]["resume"]) == (400, str(run_dir / "checkpoint.pt"))
     assert len(glob.glob(str(run_dir / "events.out.tfevents.*"))) == 2  # one per session
     log = (tmp_path / "runs" / "atari" / f"{names[0]}.log").read_text()
-    assert [line.endswith(f"--resume {run_dir / 'checkpoint.pt'}") for line in log.splitlines() if line.startswith("###")] \
-        == [False, True]
+    assert [line.endswith(f"--resume {run_dir / 'checkpoint.pt'}") for line in log.splitlines() if line.startswith("###")] == [
+        False,
+        True,
+    ]
     runs = read_csv(tmp_path / "results" / "atari" / "runs.csv")
     pong = runs[2]  # rows in (env_id, script, seed) order
     assert (pong["env_id"], pong["seed"], pong["total_timesteps"], pong["global_step"]) == ("Pong-v5", "1", "400", "400")
@@ -119,29 +144,82 @@ def test_table_by_hand(tmp_path):
     seed 2 recorded short of the budget; Breakout seed 1 with 30 games, seed 2 never run."""
     budget = 200_000
     curves, runs = [], []
-    bases = {"BattleZone": (3000, 40), "DoubleDunk": (-18, 0.01), "NameThisGame": (2500, 20), "Phoenix": (800, 10),
-             "Qbert": (200, 30)}
+    bases = {
+        "BattleZone": (3000, 40),
+        "DoubleDunk": (-18, 0.01),
+        "NameThisGame": (2500, 20),
+        "Phoenix": (800, 10),
+        "Qbert": (200, 30),
+    }
     for name, (base, scale) in bases.items():
         for seed, n, step_scale in [(1, 150, 1), (2, 120, 2)]:
-            curves += [dict(env_id=f"{name}-v5", script="impala_poly", seed=seed, global_step=1000 * (i + 1), hours=i / 1000,
-                            episodic_return=base + step_scale * scale * i) for i in range(n)]
-            runs.append(dict(env_id=f"{name}-v5", script="impala_poly", seed=seed, total_timesteps=budget,
-                             global_step=budget + 500, hours={1: 1.5, 2: 0.5}[seed], episodes=n))
-        curves += [dict(env_id=f"{name}-v5", script="impala_poly", seed=1, global_step=budget + 100 * j, hours=1,
-                        episodic_return=1e6) for j in range(1, 4)]
-    curves += [dict(env_id="Breakout-v5", script="impala_poly", seed=1, global_step=5000 * (i + 1), hours=i / 100,
-                    episodic_return=i) for i in range(30)]
-    runs += [dict(env_id="Pong-v5", script="impala_poly", seed=1, total_timesteps=budget, global_step=budget, hours=0.25,
-                  episodes=0),
-             dict(env_id="Pong-v5", script="impala_poly", seed=2, total_timesteps=100_000, global_step=100_000, hours=0.1,
-                  episodes=0),
-             dict(env_id="Breakout-v5", script="impala_poly", seed=1, total_timesteps=budget, global_step=budget, hours=2,
-                  episodes=30)]
+            curves += [
+                dict(
+                    env_id=f"{name}-v5",
+                    script="impala_poly",
+                    seed=seed,
+                    global_step=1000 * (i + 1),
+                    hours=i / 1000,
+                    episodic_return=base + step_scale * scale * i,
+                )
+                for i in range(n)
+            ]
+            runs.append(
+                dict(
+                    env_id=f"{name}-v5",
+                    script="impala_poly",
+                    seed=seed,
+                    total_timesteps=budget,
+                    global_step=budget + 500,
+                    hours={1: 1.5, 2: 0.5}[seed],
+                    episodes=n,
+                )
+            )
+        curves += [
+            dict(env_id=f"{name}-v5", script="impala_poly", seed=1, global_step=budget + 100 * j, hours=1, episodic_return=1e6)
+            for j in range(1, 4)
+        ]
+    curves += [
+        dict(env_id="Breakout-v5", script="impala_poly", seed=1, global_step=5000 * (i + 1), hours=i / 100, episodic_return=i)
+        for i in range(30)
+    ]
+    runs += [
+        dict(
+            env_id="Pong-v5", script="impala_poly", seed=1, total_timesteps=budget, global_step=budget, hours=0.25, episodes=0
+        ),
+        dict(
+            env_id="Pong-v5", script="impala_poly", seed=2, total_timesteps=100_000, global_step=100_000, hours=0.1, episodes=0
+        ),
+        dict(
+            env_id="Breakout-v5",
+            script="impala_poly",
+            seed=1,
+            total_timesteps=budget,
+            global_step=budget,
+            hours=2,
+            episodes=30,
+        ),
+    ]
     os.makedirs(tmp_path / "out")
     write_csv(tmp_path / "out" / "curves.csv", curves)
     write_csv(tmp_path / "out" / "runs.csv", runs)
-    result = bench("--report-only", "--out", "out", "--runs-dir", "nowhere", "--total-timesteps", budget, "--seeds", 1, 2,
-                   "--env-ids", "Pong-v5", "Breakout-v5", *[f"{name}-v5" for name in bases], cwd=tmp_path)
+    result = bench(
+        "--report-only",
+        "--out",
+        "out",
+        "--runs-dir",
+        "nowhere",
+        "--total-timesteps",
+        budget,
+        "--seeds",
+        1,
+        2,
+        "--env-ids",
+        "Pong-v5",
+        "Breakout-v5",
+        *[f"{name}-v5" for name in bases],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     table = (tmp_path / "out" / "results.md").read_text().splitlines()
     assert table[0] == "# Atari benchmark: 200,000 steps (0.8M frames) per run"
@@ -172,11 +250,14 @@ def test_table_by_hand(tmp_path):
 
     estimate = predict({name: (per_seed_hns[1][name] + per_seed_hns[2][name]) / 2 for name in WEIGHTS})
     p1, p2 = predict(per_seed_hns[1]), predict(per_seed_hns[2])
-    line = (f"- impala_poly: {estimate:.3f} from the mean-over-seeds HNS of each game; per seed (seeds 1, 2): "
-            f"{(p1 + p2) / 2:.3f} ± {abs(p1 - p2) / math.sqrt(2):.3f}")
+    line = (
+        f"- impala_poly: {estimate:.3f} from the mean-over-seeds HNS of each game; per seed (seeds 1, 2): "
+        f"{(p1 + p2) / 2:.3f} ± {abs(p1 - p2) / math.sqrt(2):.3f}"
+    )
     assert line in table
     assert sorted(os.listdir(tmp_path / "out")) == sorted(
-        ["curves.csv", "runs.csv", "results.md", "Breakout-v5.png"] + [f"{name}-v5.png" for name in bases])
+        ["curves.csv", "runs.csv", "results.md", "Breakout-v5.png"] + [f"{name}-v5.png" for name in bases]
+    )
 
 
 def test_hns_and_atari5():
@@ -191,13 +272,20 @@ def test_hns_and_atari5():
     assert math.isclose(sum(WEIGHTS.values()), 0.9653)
     assert math.isclose(atari.atari5_median(dict.fromkeys(WEIGHTS, 1.0)), (101**0.9653 - 1) / 100)
     # HNS 0.5, 2, -1 (clipped to 0), 0, 3.5 -> percents 50, 200, 0, 0, 350; step by step:
-    log_median = 0.3820 * math.log10(51) + 0.0679 * math.log10(201) + 0.3108 * math.log10(1) + 0.1241 * math.log10(1) \
+    log_median = (
+        0.3820 * math.log10(51)
+        + 0.0679 * math.log10(201)
+        + 0.3108 * math.log10(1)
+        + 0.1241 * math.log10(1)
         + 0.0805 * math.log10(351)
+    )
     hns_values = {"BattleZone": 0.5, "DoubleDunk": 2.0, "NameThisGame": -1.0, "Phoenix": 0.0, "Qbert": 3.5}
     assert math.isclose(atari.atari5_median(hns_values), (10**log_median - 1) / 100)
 
 
 def test_unknown_game(tmp_path):
-    assert error_line(bench("--env-ids", "Pong-v5", "Pongg-v5", cwd=tmp_path)) == \
-        "error: unknown game 'Pongg-v5': pass EnvPool Atari ids such as Pong-v5 or Qbert-v5"
+    assert (
+        error_line(bench("--env-ids", "Pong-v5", "Pongg-v5", cwd=tmp_path))
+        == "error: unknown game 'Pongg-v5': pass EnvPool Atari ids such as Pong-v5 or Qbert-v5"
+    )
     assert os.listdir(tmp_path) == []  # nothing started

@@ -104,7 +104,9 @@ def test_diagnostics(script):
         h2 = F.relu(conv2(h1))
         h3 = F.relu(conv3(h2))
         h4 = F.relu(linear(h3.reshape(len(h3), -1)))  # [N, 512]
-    expected = [(h <= 0).all(dim=(0, 2, 3)).float().mean().item() for h in (h1, h2, h3)] + [(h4 <= 0).all(0).float().mean().item()]
+    expected = [(h <= 0).all(dim=(0, 2, 3)).float().mean().item() for h in (h1, h2, h3)] + [
+        (h4 <= 0).all(0).float().mean().item()
+    ]
     _, stats = script.compute_loss(agent, batch, args)
     assert stats["stats/value"].item() == pytest.approx(values[:-1].mean().item(), rel=1e-5)
     assert [stats[f"stats/dead_units_{i}"].item() for i in (1, 2, 3, 4)] == pytest.approx(expected)

@@ -11,7 +11,6 @@ import impala_poly
 from helpers import CARTPOLE_FLAGS as FLAGS, error_line, run, scalars, train
 
 
-
 @pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
 def test_non_finite_update_stops_the_run_and_keeps_the_checkpoint(tmp_path, script):
     """--vf-coef 1e38 makes the first loss of the resumed run infinite: that update is not applied, the run exits
@@ -19,10 +18,23 @@ def test_non_finite_update_stops_the_run_and_keeps_the_checkpoint(tmp_path, scri
     run_dir = train(script, "CartPole-v1", 80, FLAGS[script], tmp_path)
     path = os.path.join(run_dir, "checkpoint.pt")
     good = torch.load(path, weights_only=True)
-    assert scalars(run_dir, "losses/grad_norm") and all(0 < norm < float("inf") for _, norm in scalars(run_dir, "losses/grad_norm"))
+    assert scalars(run_dir, "losses/grad_norm") and all(
+        0 < norm < float("inf") for _, norm in scalars(run_dir, "losses/grad_norm")
+    )
 
-    result = run(script, "--env-id", "CartPole-v1", "--total-timesteps", 160, *FLAGS[script], "--vf-coef", 1e38,
-                 "--resume", path, cwd=tmp_path)
+    result = run(
+        script,
+        "--env-id",
+        "CartPole-v1",
+        "--total-timesteps",
+        160,
+        *FLAGS[script],
+        "--vf-coef",
+        1e38,
+        "--resume",
+        path,
+        cwd=tmp_path,
+    )
     assert error_line(result).startswith("error: update 3 at global_step=80 is not finite (loss): not applied"), result.stderr
     checkpoint = torch.load(path, weights_only=True)
     assert (checkpoint["global_step"], checkpoint["num_updates"]) == (80, 2)
@@ -53,8 +65,22 @@ def test_stalled_actors_stop_the_run(tmp_path, script):
     """One CartPole env with rollouts of 20,000 steps takes 10-20 s to fill a batch of 4 (~5k steps/s here; with
     rollouts of 2000 a batch came within 2 s about half the time): the learner waits, and after --stall-timeout 2 the
     run stops, naming the actors."""
-    flags = {"impala_mono.py": ["--num-actors", 1, "--num-envs-per-actor", 1],
-             "impala_poly.py": ["--num-envs", 1, "--num-threads", 1]}[script]
-    result = run(script, "--env-id", "CartPole-v1", *flags, "--unroll-length", 20000, "--batch-size", 4,
-                 "--stall-timeout", 2, cwd=tmp_path, timeout=60)
+    flags = {
+        "impala_mono.py": ["--num-actors", 1, "--num-envs-per-actor", 1],
+        "impala_poly.py": ["--num-envs", 1, "--num-threads", 1],
+    }[script]
+    result = run(
+        script,
+        "--env-id",
+        "CartPole-v1",
+        *flags,
+        "--unroll-length",
+        20000,
+        "--batch-size",
+        4,
+        "--stall-timeout",
+        2,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert error_line(result).startswith("error: no update for 2 s (--stall-timeout): the actors (no batch came) stalled")

@@ -93,8 +93,12 @@ def reference_loss(logits, values, batch, args):
                 num_steps += 1
             t = e
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy
-    return {"losses/policy_loss": policy_loss, "losses/value_loss": value_loss, "losses/entropy": entropy / num_steps,
-            "losses/loss": loss}
+    return {
+        "losses/policy_loss": policy_loss,
+        "losses/value_loss": value_loss,
+        "losses/entropy": entropy / num_steps,
+        "losses/loss": loss,
+    }
 
 
 def outputs_of(agent):
@@ -114,13 +118,25 @@ def outputs_of(agent):
 @pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])
 @pytest.mark.parametrize("use_lstm", [False, True], ids=["mlp", "lstm"])
 @pytest.mark.parametrize("reward_clip", [True, False], ids=["clip", "no-clip"])
-@pytest.mark.parametrize("vtrace_lambda, clips", [(1.0, (1.0, 1.0)), (0.6, (1.0, 1.0)), (0.6, (2.0, 0.5))],
-                         ids=["lambda1", "lambda0.6", "lambda0.6-rho2-pg0.5"])
+@pytest.mark.parametrize(
+    "vtrace_lambda, clips",
+    [(1.0, (1.0, 1.0)), (0.6, (1.0, 1.0)), (0.6, (2.0, 0.5))],
+    ids=["lambda1", "lambda0.6", "lambda0.6-rho2-pg0.5"],
+)
 def test_compute_loss_matches_reference(script, use_lstm, reward_clip, vtrace_lambda, clips):
     torch.manual_seed(0)
     agent = script.Agent((4,), A, use_lstm=use_lstm)
-    args = script.Args(env_id="CartPole-v1", use_lstm=use_lstm, reward_clip=reward_clip, vtrace_lambda=vtrace_lambda,
-                       clip_rho_threshold=clips[0], clip_pg_rho_threshold=clips[1], gamma=0.9, vf_coef=0.7, ent_coef=0.05)
+    args = script.Args(
+        env_id="CartPole-v1",
+        use_lstm=use_lstm,
+        reward_clip=reward_clip,
+        vtrace_lambda=vtrace_lambda,
+        clip_rho_threshold=clips[0],
+        clip_pg_rho_threshold=clips[1],
+        gamma=0.9,
+        vf_coef=0.7,
+        ent_coef=0.05,
+    )
     batch = rollout_batch(agent)
     recorded = outputs_of(agent)
     loss, stats = script.compute_loss(agent, batch, args)

@@ -32,7 +32,12 @@ def test_atari_env_matches_envpool(game):
         action = int(rng.integers(env.action_space.n))
         expected, reward, terminated, truncated, info = pool.step(np.array([action]))
         obs, my_reward, my_terminated, my_truncated, my_info = env.step(action)
-        assert (my_reward, my_terminated, my_truncated, my_info["lives"]) == (reward[0], terminated[0], truncated[0], info["lives"][0])
+        assert (my_reward, my_terminated, my_truncated, my_info["lives"]) == (
+            reward[0],
+            terminated[0],
+            truncated[0],
+            info["lives"][0],
+        )
         frame_diffs.append(np.abs(expected[0].astype(int) - obs).max())
         if terminated[0] or truncated[0]:
             episode_ends += 1
@@ -58,8 +63,15 @@ def test_cartpole_learns(tmp_path):
 @pytest.mark.parametrize("lstm, flags, precision", UPDATES_THEN_EVAL_CASES)
 def test_atari_updates_then_eval(tmp_path, lstm, flags, precision):
     """A few updates on Pong-v5, then eval mode plays a full game from the saved checkpoint."""
-    game_return = train_then_eval(SCRIPT, "Pong-v5", [*SMALL, *flags, *(["--use-lstm"] if lstm else [])], tmp_path,
-                                  steps_per_update=10 * 2, updates=3, precision=precision)
+    game_return = train_then_eval(
+        SCRIPT,
+        "Pong-v5",
+        [*SMALL, *flags, *(["--use-lstm"] if lstm else [])],
+        tmp_path,
+        steps_per_update=10 * 2,
+        updates=3,
+        precision=precision,
+    )
     # A barely trained agent loses a full game of Pong: the opponent scores 21 first.
     assert game_return == int(game_return) and -21 <= game_return <= -15, game_return
 
@@ -67,8 +79,17 @@ def test_atari_updates_then_eval(tmp_path, lstm, flags, precision):
 def test_resume_continues_the_run(tmp_path):
     steps = 10 * 2 * 2
     run_dir = train(SCRIPT, "Breakout-v5", steps, SMALL, tmp_path)
-    result = run(SCRIPT, "--env-id", "Breakout-v5", "--total-timesteps", 2 * steps, *SMALL,
-                 "--resume", os.path.join(run_dir, "checkpoint.pt"), cwd=tmp_path)
+    result = run(
+        SCRIPT,
+        "--env-id",
+        "Breakout-v5",
+        "--total-timesteps",
+        2 * steps,
+        *SMALL,
+        "--resume",
+        os.path.join(run_dir, "checkpoint.pt"),
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert run_dirs(tmp_path) == [run_dir]  # same run folder
     checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
@@ -85,8 +106,13 @@ def children(pid):
 
 
 def test_killed_actor_stops_the_run(tmp_path):
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, SCRIPT), "--env-id", "CartPole-v1"],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, SCRIPT), "--env-id", "CartPole-v1"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 60
         while len(children(process.pid)) < 2 and time.time() < deadline:
@@ -103,8 +129,13 @@ def test_killed_actor_stops_the_run(tmp_path):
 
 
 def test_interrupt_saves_and_exits_cleanly(tmp_path):
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, SCRIPT), "--env-id", "CartPole-v1"],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, SCRIPT), "--env-id", "CartPole-v1"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 60
     while not run_dirs(tmp_path) or not scalars(run_dirs(tmp_path)[0], "losses/loss"):
         assert time.time() < deadline and process.poll() is None
@@ -117,13 +148,16 @@ def test_interrupt_saves_and_exits_cleanly(tmp_path):
     assert checkpoint["global_step"] > 0 and "saved" in stdout
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--env-id", "Pongg-v5"], "error: unknown --env-id 'Pongg-v5'"),
-    (["--env-id", "CartPole-v1", "--num-actors", 0], "error: --num-actors must be positive, got 0"),
-    (["--env-id", "CartPole-v1", "--unroll-length", -1], "error: --unroll-length must be positive, got -1"),
-    (["--env-id", "CartPole-v1", "--num-buffers", 10], "error: --num-buffers 10 is too small"),
-    (["--env-id", "CartPole-v1", "--resume", "nowhere.pt"], "error: --resume nowhere.pt: no such file"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--env-id", "Pongg-v5"], "error: unknown --env-id 'Pongg-v5'"),
+        (["--env-id", "CartPole-v1", "--num-actors", 0], "error: --num-actors must be positive, got 0"),
+        (["--env-id", "CartPole-v1", "--unroll-length", -1], "error: --unroll-length must be positive, got -1"),
+        (["--env-id", "CartPole-v1", "--num-buffers", 10], "error: --num-buffers 10 is too small"),
+        (["--env-id", "CartPole-v1", "--resume", "nowhere.pt"], "error: --resume nowhere.pt: no such file"),
+    ],
+)
 def test_bad_input(tmp_path, flags, message):
     assert error_line(run(SCRIPT, *flags, cwd=tmp_path)).startswith(message)
     assert not os.path.exists(tmp_path / "runs")
@@ -133,12 +167,15 @@ def test_checkpoint_for_another_env_or_network(tmp_path):
     # --bf16 leaves the classic-control MLPs in float32 (they ran slower in bf16), and the run says so.
     path = os.path.join(train(SCRIPT, "CartPole-v1", 640, ["--bf16"], tmp_path, precision="float32"), "checkpoint.pt")
     assert error_line(run(SCRIPT, "--env-id", "Acrobot-v1", "--eval-checkpoint", path, cwd=tmp_path)).startswith(
-        f"error: checkpoint {path} is for --env-id CartPole-v1, not Acrobot-v1")
+        f"error: checkpoint {path} is for --env-id CartPole-v1, not Acrobot-v1"
+    )
     assert error_line(run(SCRIPT, "--env-id", "CartPole-v1", "--use-lstm", "--resume", path, cwd=tmp_path)).startswith(
-        f"error: checkpoint {path} is for --use-lstm False, not True")
+        f"error: checkpoint {path} is for --use-lstm False, not True"
+    )
     (tmp_path / "junk.pt").write_text("not a checkpoint")
     assert error_line(run(SCRIPT, "--env-id", "CartPole-v1", "--eval-checkpoint", "junk.pt", cwd=tmp_path)).startswith(
-        "error: cannot read checkpoint junk.pt")
+        "error: cannot read checkpoint junk.pt"
+    )
 
 
 def test_too_little_shared_memory_is_a_clear_error(monkeypatch, capsys):
@@ -152,4 +189,6 @@ def test_too_little_shared_memory_is_a_clear_error(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         impala_mono.create_buffers(args, env.observation_space, env.action_space.n, ())
     # 100 slots x 21 steps x 4 x 84 x 84 bytes of frames alone: 57 MiB.
-    assert str(exit_info.value).startswith("error: the rollout buffers need 57 MiB of shared memory but /dev/shm has 10 MiB free")
+    assert str(exit_info.value).startswith(
+        "error: the rollout buffers need 57 MiB of shared memory but /dev/shm has 10 MiB free"
+    )

@@ -43,20 +43,33 @@ def runs(tmp_path):
 
 def read_csv(path):
     with open(path) as f:
-        return [(r["env_id"], r["script"], int(r["seed"]), int(r["global_step"]), round(float(r["hours"]), 6),
-                 float(r["episodic_return"])) for r in csv.DictReader(f)]
+        return [
+            (
+                r["env_id"],
+                r["script"],
+                int(r["seed"]),
+                int(r["global_step"]),
+                round(float(r["hours"]), 6),
+                float(r["episodic_return"]),
+            )
+            for r in csv.DictReader(f)
+        ]
 
 
 def test_csv_table_and_redraw(runs):
-    result = plot("runs", "--out", "results", "--window", "2", "--target", "CartPole-v1=3", "--target", "Pong-v5=-12",
-                  cwd=runs)
+    result = plot(
+        "runs", "--out", "results", "--window", "2", "--target", "CartPole-v1=3", "--target", "Pong-v5=-12", cwd=runs
+    )
     assert result.returncode == 0, result.stderr
     # Pong hours: session 1 lasted 2080 - 1000 s (its purged games included); session 2 starts after it.
     assert read_csv(runs / "results" / "curves.csv") == [
-        ("CartPole-v1", "impala_mono", 1, 10 * i, round(7.2 * (i - 1) / 3600, 6), i) for i in range(1, 6)] + [
-        ("CartPole-v1", "impala_mono", 2, 10 * i, round(3.6 * (i - 1) / 3600, 6), 10 * i) for i in range(1, 4)] + [
-        ("Pong-v5", "impala_poly", 1, 100, 0.0, -21), ("Pong-v5", "impala_poly", 1, 200, 0.1, -20),
-        ("Pong-v5", "impala_poly", 1, 350, 0.3, -10), ("Pong-v5", "impala_poly", 1, 450, 0.4, -5)]
+        ("CartPole-v1", "impala_mono", 1, 10 * i, round(7.2 * (i - 1) / 3600, 6), i) for i in range(1, 6)
+    ] + [("CartPole-v1", "impala_mono", 2, 10 * i, round(3.6 * (i - 1) / 3600, 6), 10 * i) for i in range(1, 4)] + [
+        ("Pong-v5", "impala_poly", 1, 100, 0.0, -21),
+        ("Pong-v5", "impala_poly", 1, 200, 0.1, -20),
+        ("Pong-v5", "impala_poly", 1, 350, 0.3, -10),
+        ("Pong-v5", "impala_poly", 1, 450, 0.4, -5),
+    ]
     table = (runs / "results" / "results.md").read_text().splitlines()
     # Means of 2: CartPole seed 1 [1, 1.5, 2.5, 3.5, 4.5] first >= 3 at step 40; seed 2 [10, 15, 25] at step 20
     # (the first game alone is not a full window); Pong [-21, -20.5, -15, -7.5] first >= -12 at step 450 = 1800 frames.
@@ -69,13 +82,27 @@ def test_csv_table_and_redraw(runs):
 
     # The CSV alone redraws the same table and figures.
     os.rename(runs / "results", runs / "saved")
-    result = plot("--csv", "saved/curves.csv", "--out", "redrawn", "--window", "2", "--target", "CartPole-v1=3",
-                  "--target", "Pong-v5=-12", cwd=runs)
+    result = plot(
+        "--csv",
+        "saved/curves.csv",
+        "--out",
+        "redrawn",
+        "--window",
+        "2",
+        "--target",
+        "CartPole-v1=3",
+        "--target",
+        "Pong-v5=-12",
+        cwd=runs,
+    )
     assert result.returncode == 0, result.stderr
     assert (runs / "redrawn" / "results.md").read_text().splitlines() == table
     assert sorted(os.listdir(runs / "redrawn")) == ["CartPole-v1.png", "Pong-v5.png", "results.md"]
 
 
 def test_bad_input(tmp_path):
-    assert error_line(plot("--target", "Pong-v5", cwd=tmp_path)) == "error: --target 'Pong-v5' is not ENV_ID=RETURN (e.g. Pong-v5=18)"
+    assert (
+        error_line(plot("--target", "Pong-v5", cwd=tmp_path))
+        == "error: --target 'Pong-v5' is not ENV_ID=RETURN (e.g. Pong-v5=18)"
+    )
     assert error_line(plot("runs", cwd=tmp_path)).startswith("error: no episodic returns in 'runs'")

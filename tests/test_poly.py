@@ -16,7 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, UPDATES_THEN_EVAL_CASES, check_run, error_line, run, run_dirs, scalars, steps_to_return, train_then_eval
+from helpers import (
+    ROOT,
+    UPDATES_THEN_EVAL_CASES,
+    check_run,
+    error_line,
+    run,
+    run_dirs,
+    scalars,
+    steps_to_return,
+    train_then_eval,
+)
 from impala_poly import ActingPolicy, Agent, GameTracker, RolloutAssembler, actor_loop, make_env
 
 SCRIPT = "impala_poly.py"
@@ -30,7 +40,9 @@ def cartpole_step(obs, action):
     gravity, masspole, total_mass, length, tau = 9.8, 0.1, 1.1, 0.5, 0.02
     force = 10.0 if action == 1 else -10.0
     temp = (force + masspole * length * theta_dot**2 * np.sin(theta)) / total_mass
-    thetaacc = (gravity * np.sin(theta) - np.cos(theta) * temp) / (length * (4 / 3 - masspole * np.cos(theta) ** 2 / total_mass))
+    thetaacc = (gravity * np.sin(theta) - np.cos(theta) * temp) / (
+        length * (4 / 3 - masspole * np.cos(theta) ** 2 / total_mass)
+    )
     xacc = temp - masspole * length * thetaacc * np.cos(theta) / total_mass
     return np.array([x + tau * x_dot, x_dot + tau * xacc, theta + tau * theta_dot, theta_dot + tau * thetaacc])
 
@@ -48,8 +60,15 @@ def test_assembler_keeps_each_env_contiguous():
         action = rng.integers(2, size=len(env_ids))
         start = dict(start_number=np.arange(num_starts, num_starts + len(env_ids)))  # tells which step a rollout kept
         num_starts += len(env_ids)
-        step = dict(obs=obs, reward=reward, terminated=terminated, truncated=truncated, action=action,
-                    elapsed_step=info["elapsed_step"], env=env_ids)
+        step = dict(
+            obs=obs,
+            reward=reward,
+            terminated=terminated,
+            truncated=truncated,
+            action=action,
+            elapsed_step=info["elapsed_step"],
+            env=env_ids,
+        )
         for rollout in assembler.add(env_ids, step, start):
             rollouts[rollout["env"][0]].append(rollout)
         for k, e in enumerate(env_ids):
@@ -62,11 +81,13 @@ def test_assembler_keeps_each_env_contiguous():
         assert len(env_rollouts) == (len(sent[e]) - 1) // T  # every step of the env is in a rollout
         for i, rollout in enumerate(env_rollouts):
             assert (rollout["env"] == e).all() and rollout["obs"].shape == (T + 1, 4)
-            steps = sent[e][i * T: i * T + T + 1]
+            steps = sent[e][i * T : i * T + T + 1]
             assert list(zip(rollout["elapsed_step"], rollout["action"])) == [(s, a) for s, a, _ in steps]
             assert rollout["start_number"] == steps[0][2]  # per-rollout values come from its first step
             if i > 0:  # the last step of one rollout is the first of the next
-                assert all((rollout[key][0] == env_rollouts[i - 1][key][-1]).all() for key in ("obs", "elapsed_step", "action"))
+                assert all(
+                    (rollout[key][0] == env_rollouts[i - 1][key][-1]).all() for key in ("obs", "elapsed_step", "action")
+                )
             done = rollout["terminated"] | rollout["truncated"]
             for t in range(T):
                 if done[t]:  # a final obs is followed by a reset obs, with no reward
@@ -74,7 +95,9 @@ def test_assembler_keeps_each_env_contiguous():
                     resets += 1
                 else:  # otherwise the next obs of the same episode
                     assert rollout["elapsed_step"][t + 1] == rollout["elapsed_step"][t] + 1
-                    assert np.allclose(cartpole_step(rollout["obs"][t], rollout["action"][t]), rollout["obs"][t + 1], atol=1e-5)
+                    assert np.allclose(
+                        cartpole_step(rollout["obs"][t], rollout["action"][t]), rollout["obs"][t + 1], atol=1e-5
+                    )
     assert resets >= 20
 
 
@@ -95,14 +118,32 @@ def test_game_tracker_skips_reset_steps_and_counts_full_games():
 def test_actor_loop_batches(use_lstm):
     """Batches from the real actor loop: layout, CartPole physics between steps, and behavior logits that the agent
     reproduces from the stored obs, episode starts and core state (the policy is not updated here)."""
-    args = SimpleNamespace(env_id="CartPole-v1", num_envs=4, unroll_length=6, batch_size=3, episodic_life=True,
-                           repeat_action_probability=0.0, capture_video=False)
+    args = SimpleNamespace(
+        env_id="CartPole-v1",
+        num_envs=4,
+        unroll_length=6,
+        batch_size=3,
+        episodic_life=True,
+        repeat_action_probability=0.0,
+        capture_video=False,
+    )
     torch.manual_seed(0)
     agent = Agent((4,), 2, use_lstm=use_lstm)
     envs = make_env(args, num_envs=4, batch_size=2, seed=0, num_threads=2)
     batch_queue, episodes, stop = queue.Queue(maxsize=2), collections.deque(), threading.Event()
-    thread = threading.Thread(target=actor_loop, args=(args, envs, ActingPolicy(agent, version=7), batch_queue, episodes,
-                                                       collections.Counter(), stop, torch.device("cpu")))
+    thread = threading.Thread(
+        target=actor_loop,
+        args=(
+            args,
+            envs,
+            ActingPolicy(agent, version=7),
+            batch_queue,
+            episodes,
+            collections.Counter(),
+            stop,
+            torch.device("cpu"),
+        ),
+    )
     thread.start()
     try:
         batches = [batch_queue.get(timeout=30) for _ in range(40)]
@@ -151,14 +192,35 @@ def test_cartpole_learns(tmp_path):
 @pytest.mark.parametrize("lstm, flags, precision", UPDATES_THEN_EVAL_CASES)
 def test_atari_updates_then_eval(tmp_path, lstm, flags, precision):
     """A few updates on Breakout-v5, then eval mode plays a full game from the saved checkpoint."""
-    game_return = train_then_eval(SCRIPT, "Breakout-v5", [*SMALL, *flags, *(["--use-lstm"] if lstm else [])], tmp_path,
-                                  steps_per_update=10 * 2, updates=3, precision=precision)
+    game_return = train_then_eval(
+        SCRIPT,
+        "Breakout-v5",
+        [*SMALL, *flags, *(["--use-lstm"] if lstm else [])],
+        tmp_path,
+        steps_per_update=10 * 2,
+        updates=3,
+        precision=precision,
+    )
     # A barely trained agent breaks a few bricks in its five lives.
     assert game_return == int(game_return) and 0 <= game_return <= 30, game_return
 
 
-TORCHRUN_FLAGS = ["--env-id", "CartPole-v1", "--num-envs", 4, "--env-batch-size", 2, "--num-threads", 1,
-                  "--unroll-length", 10, "--batch-size", 2, "--total-timesteps", 10 * 2 * 2 * 3]
+TORCHRUN_FLAGS = [
+    "--env-id",
+    "CartPole-v1",
+    "--num-envs",
+    4,
+    "--env-batch-size",
+    2,
+    "--num-threads",
+    1,
+    "--unroll-length",
+    10,
+    "--batch-size",
+    2,
+    "--total-timesteps",
+    10 * 2 * 2 * 3,
+]
 
 
 def finished(process, timeout=300):
@@ -173,11 +235,26 @@ RESTART_ENV = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 def torchrun(tmp_path, flags, max_restarts=0, tee=False):
     """Two ranks on this machine. With `tee`, each line the ranks print is prefixed with `[default<rank>]:`."""
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             *(["--tee", "3"] if tee else []), "--max-restarts", str(max_restarts),
-                             os.path.join(ROOT, SCRIPT), *map(str, flags)],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=RESTART_ENV if max_restarts else None)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            *(["--tee", "3"] if tee else []),
+            "--max-restarts",
+            str(max_restarts),
+            os.path.join(ROOT, SCRIPT),
+            *map(str, flags),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=RESTART_ENV if max_restarts else None,
+    )
 
 
 def test_torchrun_two_processes(tmp_path):
@@ -203,15 +280,45 @@ def launch_two_nodes(tmp_path, flags, max_restarts=0):
     """Two torchrun launchers as two nodes of one process each, rendezvous on 127.0.0.1; node i runs in tmp_path/node<i>.
     With restarts, the c10d rendezvous with run id "job"."""
     port, processes = free_port(), []
-    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job", "--max-restarts",
-                  str(max_restarts)] if max_restarts else ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    rendezvous = (
+        [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "job",
+            "--max-restarts",
+            str(max_restarts),
+        ]
+        if max_restarts
+        else ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    )
     for node_rank in range(2):
         (tmp_path / f"node{node_rank}").mkdir()
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
-             str(node_rank), *rendezvous, os.path.join(ROOT, SCRIPT), *map(str, flags)],
-            cwd=tmp_path / f"node{node_rank}", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=RESTART_ENV if max_restarts else None))
+        processes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    "2",
+                    "--nproc-per-node",
+                    "1",
+                    "--node-rank",
+                    str(node_rank),
+                    *rendezvous,
+                    os.path.join(ROOT, SCRIPT),
+                    *map(str, flags),
+                ],
+                cwd=tmp_path / f"node{node_rank}",
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=RESTART_ENV if max_restarts else None,
+            )
+        )
     return processes
 
 
@@ -228,8 +335,22 @@ def test_torchrun_two_nodes(tmp_path):
     check_run(run_dir, updates=3, steps_per_update=10 * 2 * 2)
 
 
-ELASTIC_FLAGS = ["--env-id", "CartPole-v1", "--num-envs", 4, "--env-batch-size", 2, "--num-threads", 1, "--unroll-length",
-                 10, "--batch-size", 2, "--checkpoint-interval", 0.5]
+ELASTIC_FLAGS = [
+    "--env-id",
+    "CartPole-v1",
+    "--num-envs",
+    4,
+    "--env-batch-size",
+    2,
+    "--num-threads",
+    1,
+    "--unroll-length",
+    10,
+    "--batch-size",
+    2,
+    "--checkpoint-interval",
+    0.5,
+]
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
@@ -240,8 +361,10 @@ def test_torchrun_restarts_from_the_checkpoint(tmp_path, nodes):
     ranks, with one loss point per update (what was logged after the checkpoint is dropped)."""
     total, per_update = 40 * 600, 10 * 2 * 2
     if nodes == 1:
-        run_dir, processes = tmp_path / "runs" / "elastic", [torchrun(tmp_path, [*ELASTIC_FLAGS, "--run-name", "elastic",
-                                                                                 "--total-timesteps", total], max_restarts=1)]
+        run_dir, processes = (
+            tmp_path / "runs" / "elastic",
+            [torchrun(tmp_path, [*ELASTIC_FLAGS, "--run-name", "elastic", "--total-timesteps", total], max_restarts=1)],
+        )
     else:
         run_dir = tmp_path / "node0" / "runs" / "CartPole-v1__impala_poly__1__job"
         processes = launch_two_nodes(tmp_path, [*ELASTIC_FLAGS, "--total-timesteps", total], max_restarts=1)
@@ -251,16 +374,21 @@ def test_torchrun_restarts_from_the_checkpoint(tmp_path, nodes):
         while not path.exists() or torch.load(path, weights_only=True)["num_updates"] < 3:
             assert time.time() < deadline and all(p.poll() is None for p in processes), [p.communicate() for p in processes]
             time.sleep(0.2)
-        (worker,) = [pid for process in processes for pid in children(process.pid)
-                     if b"\0RANK=1\0" in open(f"/proc/{pid}/environ", "rb").read()]
+        (worker,) = [
+            pid
+            for process in processes
+            for pid in children(process.pid)
+            if b"\0RANK=1\0" in open(f"/proc/{pid}/environ", "rb").read()
+        ]
         os.kill(worker, signal.SIGKILL)
         stdout = finished(processes[0])
         assert finished(processes[-1]) == ("" if nodes == 2 else stdout)
     finally:
         for process in processes:
             process.kill()
-    restart = [line for line in stdout.splitlines()
-               if f", continuing runs/{run_dir.name}/checkpoint.pt at global_step=" in line]
+    restart = [
+        line for line in stdout.splitlines() if f", continuing runs/{run_dir.name}/checkpoint.pt at global_step=" in line
+    ]
     assert len(restart) == 1 and int(restart[0].split("=")[-1]) >= 3 * per_update, stdout
     assert "parameters identical on all 2 ranks" in stdout, stdout
     check_run(str(run_dir), updates=total // per_update, steps_per_update=per_update)
@@ -281,34 +409,67 @@ def test_torchrun_non_finite_update_stops_every_rank(tmp_path):
         assert len(errors) == 1, stderr[-3000:]
         assert errors[0].startswith(f"[default{rank}]:error: update 4 at global_step=120 is not finite (loss): not applied")
     checkpoint = torch.load(path, weights_only=True)
-    assert checkpoint["global_step"] == 120 and all(torch.equal(checkpoint["model"][k], good["model"][k]) for k in good["model"])
+    assert checkpoint["global_step"] == 120 and all(
+        torch.equal(checkpoint["model"][k], good["model"][k]) for k in good["model"]
+    )
 
 
-@pytest.mark.parametrize("store, run_id, message", [
-    ("True", "job", "error: torchrun --max-restarts: restarted ranks would read the dead ranks' addresses from torchrun's "
-                    "shared store: launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (across nodes also --rdzv-backend c10d)"),
-    ("False", "none", "error: torchrun --max-restarts needs a run folder that every restart finds: pass --run-name or "
-                      "torchrun --rdzv-id"),  # across nodes without --rdzv-id
-], ids=["shared-store", "no-run-id"])
+@pytest.mark.parametrize(
+    "store, run_id, message",
+    [
+        (
+            "True",
+            "job",
+            "error: torchrun --max-restarts: restarted ranks would read the dead ranks' addresses from torchrun's "
+            "shared store: launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (across nodes also --rdzv-backend c10d)",
+        ),
+        (
+            "False",
+            "none",
+            "error: torchrun --max-restarts needs a run folder that every restart finds: pass --run-name or "
+            "torchrun --rdzv-id",
+        ),  # across nodes without --rdzv-id
+    ],
+    ids=["shared-store", "no-run-id"],
+)
 def test_torchrun_restarts_refused_where_they_could_not_work(tmp_path, store, run_id, message):
     """The environment torchrun gives its workers: TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RUN_ID."""
-    env = {**os.environ, "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": store, "TORCHELASTIC_RUN_ID": run_id}
-    result = subprocess.run([sys.executable, os.path.join(ROOT, SCRIPT), "--env-id", "CartPole-v1"], cwd=tmp_path,
-                            capture_output=True, text=True, env=env)
+    env = {
+        **os.environ,
+        "TORCHELASTIC_MAX_RESTARTS": "3",
+        "TORCHELASTIC_USE_AGENT_STORE": store,
+        "TORCHELASTIC_RUN_ID": run_id,
+    }
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, SCRIPT), "--env-id", "CartPole-v1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert error_line(result) == message
     assert not os.path.exists(tmp_path / "runs")
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--env-id", "Pongg-v5"], "error: unknown --env-id 'Pongg-v5'"),
-    (["--env-id", "Pendulum-v1"], "error: unknown --env-id 'Pendulum-v1'"),  # continuous actions
-    (["--env-id", "CartPole-v1", "--num-envs", 0], "error: --num-envs must be positive, got 0"),
-    (["--env-id", "CartPole-v1", "--num-envs", 4, "--env-batch-size", 8], "error: --env-batch-size 8 is larger than --num-envs 4"),
-    (["--env-id", "CartPole-v1", "--resume", "nowhere.pt"], "error: --resume nowhere.pt: no such file"),
-    # (1e8 envs + 4 x 8 batched rollouts) x 21 steps x 4 x 84 x 84 bytes
-    (["--env-id", "Pong-v5", "--num-envs", 10**8], "error: --num-envs 100000000 needs 55199.9 GiB of rollout buffers, but"),
-    (["--env-id", "CartPole-v1", "--stall-timeout", 0], "error: --stall-timeout must be positive, got 0.0"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--env-id", "Pongg-v5"], "error: unknown --env-id 'Pongg-v5'"),
+        (["--env-id", "Pendulum-v1"], "error: unknown --env-id 'Pendulum-v1'"),  # continuous actions
+        (["--env-id", "CartPole-v1", "--num-envs", 0], "error: --num-envs must be positive, got 0"),
+        (
+            ["--env-id", "CartPole-v1", "--num-envs", 4, "--env-batch-size", 8],
+            "error: --env-batch-size 8 is larger than --num-envs 4",
+        ),
+        (["--env-id", "CartPole-v1", "--resume", "nowhere.pt"], "error: --resume nowhere.pt: no such file"),
+        # (1e8 envs + 4 x 8 batched rollouts) x 21 steps x 4 x 84 x 84 bytes
+        (
+            ["--env-id", "Pong-v5", "--num-envs", 10**8],
+            "error: --num-envs 100000000 needs 55199.9 GiB of rollout buffers, but",
+        ),
+        (["--env-id", "CartPole-v1", "--stall-timeout", 0], "error: --stall-timeout must be positive, got 0.0"),
+    ],
+)
 def test_bad_input(tmp_path, flags, message):
     assert error_line(run(SCRIPT, *flags, cwd=tmp_path)).startswith(message)
     assert not os.path.exists(tmp_path / "runs")

@@ -16,8 +16,10 @@ from helpers import CARTPOLE_FLAGS as CARTPOLE, error_line, run, scalars, train
 
 SCRIPTS = ["impala_mono.py", "impala_poly.py"]
 # Two Pong envs stepped in turn, 20 steps per update.
-PONG = {"impala_mono.py": ["--num-actors", 1, "--num-envs-per-actor", 2, "--unroll-length", 10, "--batch-size", 2],
-        "impala_poly.py": ["--num-envs", 2, "--env-batch-size", 2, "--num-threads", 1, "--unroll-length", 10, "--batch-size", 2]}
+PONG = {
+    "impala_mono.py": ["--num-actors", 1, "--num-envs-per-actor", 2, "--unroll-length", 10, "--batch-size", 2],
+    "impala_poly.py": ["--num-envs", 2, "--env-batch-size", 2, "--num-threads", 1, "--unroll-length", 10, "--batch-size", 2],
+}
 
 
 def wandb_records(path):
@@ -31,8 +33,8 @@ def wandb_records(path):
         if 32768 - position % 32768 < 7:  # a block's tail too short for a chunk header is padding
             position += 32768 - position % 32768
             continue
-        length, kind = struct.unpack("<HB", data[position + 4: position + 7])
-        chunk, position = data[position + 7: position + 7 + length], position + 7 + length
+        length, kind = struct.unpack("<HB", data[position + 4 : position + 7])
+        chunk, position = data[position + 7 : position + 7 + length], position + 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
             records.append(wandb_internal_pb2.Record.FromString(pending))
@@ -44,8 +46,11 @@ def offline_run(path):
     records = wandb_records(path)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
-    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-               for r in records if r.WhichOneof("record_type") == "history"]
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     return run.run_id, run.display_name, run.project, config, history
 
 
@@ -57,12 +62,25 @@ def test_track_logs_the_scalars_and_a_resumed_run_continues_the_wandb_run(tmp_pa
     run_id, name, project, config, history = offline_run(first)
     assert (name, project, config["env_id"], config["batch_size"]) == (os.path.basename(run_dir), "impala", "CartPole-v1", 4)
     logged = [(row["global_step"], row["losses/loss"]) for row in history if "losses/loss" in row]
-    assert logged == [(step, pytest.approx(value, rel=1e-6)) for step, value in scalars(run_dir, "losses/loss")] and len(logged) == 2
+    assert (
+        logged == [(step, pytest.approx(value, rel=1e-6)) for step, value in scalars(run_dir, "losses/loss")]
+        and len(logged) == 2
+    )
     path = os.path.join(run_dir, "checkpoint.pt")
     assert torch.load(path, weights_only=True)["args"]["wandb_id"] == run_id
 
-    result = run(script, "--env-id", "CartPole-v1", "--total-timesteps", 160, *CARTPOLE[script], "--track", "--resume", path,
-                 cwd=tmp_path)
+    result = run(
+        script,
+        "--env-id",
+        "CartPole-v1",
+        "--total-timesteps",
+        160,
+        *CARTPOLE[script],
+        "--track",
+        "--resume",
+        path,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (second,) = set(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))) - {first}
     resumed_id, _, _, _, history = offline_run(second)
@@ -92,8 +110,18 @@ def test_capture_video_records_the_first_game_in_training_and_every_game_in_eval
     check_video(clip, version=r"\d+")
 
     checkpoint = os.path.join(run_dir, "checkpoint.pt")
-    result = run(script, "--env-id", "Pong-v5", *PONG[script], "--eval-checkpoint", checkpoint, "--eval-episodes", 1,
-                 "--capture-video", cwd=tmp_path)
+    result = run(
+        script,
+        "--env-id",
+        "Pong-v5",
+        *PONG[script],
+        "--eval-checkpoint",
+        checkpoint,
+        "--eval-episodes",
+        1,
+        "--capture-video",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     printed = float(result.stdout.strip().splitlines()[-1].split()[3])
     (eval_clip,) = set(glob.glob(str(videos / "*.mp4"))) - {clip}
@@ -101,10 +129,19 @@ def test_capture_video_records_the_first_game_in_training_and_every_game_in_eval
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-@pytest.mark.parametrize("flags, message", [
-    (["--env-id", "CartPole-v1", "--capture-video"], "error: --capture-video records Atari games; CartPole-v1 has no screen to record"),
-    (["--env-id", "Pong-v5", "--capture-video", "--video-interval", 0], "error: --video-interval must be positive, got 0.0"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--env-id", "CartPole-v1", "--capture-video"],
+            "error: --capture-video records Atari games; CartPole-v1 has no screen to record",
+        ),
+        (
+            ["--env-id", "Pong-v5", "--capture-video", "--video-interval", 0],
+            "error: --video-interval must be positive, got 0.0",
+        ),
+    ],
+)
 def test_bad_video_settings(tmp_path, script, flags, message):
     assert error_line(run(script, *flags, cwd=tmp_path)) == message
     assert not os.path.exists(tmp_path / "runs")

@@ -34,9 +34,7 @@ def ground_truth(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho
     vs = np.empty_like(v)
     for s in range(T):
         for b in range(v.shape[1]):
-            vs[s, b] = v[s, b] + sum(
-                np.prod(g[s:t, b]) * np.prod(c[s:t, b]) * d[t, b] for t in range(s, T)
-            )
+            vs[s, b] = v[s, b] + sum(np.prod(g[s:t, b]) * np.prod(c[s:t, b]) * d[t, b] for t in range(s, T))
     vs = vs.reshape(values.shape)
 
     vs_t_plus_1 = np.concatenate([vs[1:], bootstrap_value[None]])
