@@ -39,14 +39,6 @@ from torch.utils.tensorboard import SummaryWriter
 import vtrace
 
 
-def bf16_native():
-    """True where the network's devices run bfloat16 natively: the actors' CPU (AVX512-BF16 or AMX) and, if the learner
-    is on CUDA, its GPU (Ampere on). Elsewhere bf16 is emulated and slower than float32. (Off with a torch that
-    lacks these CPU checks.)"""
-    cpu = any(getattr(torch.cpu, check, lambda: False)() for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    return cpu and (not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] >= 8)
-
-
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -67,7 +59,7 @@ class Args:
     """Atari: record games as MP4s under videos/<run_name>/: every game in eval mode, one every `video_interval` in training"""
     video_interval: float = 10.0
     """minutes between the games recorded in training with --capture-video"""
-    bf16: bool = field(default_factory=bf16_native)
+    bf16: bool = field(default_factory=lambda: bf16_native())
     """run the Atari network's forward in bfloat16 (autocast; parameters, optimizer and loss stay float32); default: on
     where the hardware runs bf16 natively. Classic-control MLPs always run in float32 (bf16 made them slower)"""
     env_id: str = "Pong-v5"
@@ -142,6 +134,353 @@ class Args:
     """the run's folder under runs/ (set from the checkpoint when resuming)"""
     wandb_id: Optional[str] = None
     """the W&B run's id, kept in the checkpoint so that a resumed run continues it"""
+
+
+def is_atari(env_id):
+    return f"ALE/{env_id}" in gym.registry
+
+
+def make_env(args):
+    """An env that resets itself on the step after an episode ends, ignoring that step's action (as EnvPool does).
+    Seed it with its first `reset(seed=...)`."""
+    if is_atari(args.env_id):
+        env = AtariEnv(args.env_id, args.episodic_life, args.repeat_action_probability)
+    else:
+        env = gym.make(args.env_id)
+    return gym.wrappers.Autoreset(env)
+
+
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv0 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv1(torch.relu(self.conv0(torch.relu(x))))
+
+
+class ConvSequence(nn.Module):
+    def __init__(self, in_channels, out_channels):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1)
+        self.pool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self.res0, self.res1 = ResidualBlock(out_channels), ResidualBlock(out_channels)
+
+    def forward(self, x):
+        return self.res1(self.res0(self.pool(self.conv(x))))
+
+
+def mlp(in_features, out_features, std, hidden=256):
+    return nn.Sequential(
+        layer_init(nn.Linear(in_features, hidden)),
+        nn.ReLU(),
+        layer_init(nn.Linear(hidden, hidden)),
+        nn.ReLU(),
+        layer_init(nn.Linear(hidden, out_features), std=std),
+    )
+
+
+class Agent(nn.Module):
+    """Torso (Nature CNN or IMPALA ResNet for frames), optional LSTM core, policy and baseline heads. Vector
+    observations get separate policy and value MLPs of 256 ReLU units (README, implementation details)."""
+
+    def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False, bf16=False):
+        super().__init__()
+        self.dtype = torch.bfloat16 if bf16 else torch.float32  # what the forward computes in
+        if len(obs_shape) == 1:
+            self.obs_scale, hidden = 1.0, obs_shape[0]
+            self.torso = nn.Sequential()  # empty: the identity
+        else:
+            if network == "shallow":
+                self.obs_scale, hidden = 255.0, 512
+                convs = [
+                    layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)),
+                    nn.ReLU(),
+                    layer_init(nn.Conv2d(32, 64, 4, stride=2)),
+                    nn.ReLU(),
+                    layer_init(nn.Conv2d(64, 64, 3, stride=1)),
+                    nn.ReLU(),
+                    nn.Flatten(),
+                ]
+            else:
+                self.obs_scale, hidden = 255.0, 256
+                convs = [ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32), nn.Flatten(), nn.ReLU()]
+            with torch.no_grad():  # the flattened size, from a dummy frame through the layers
+                flat_size = nn.Sequential(*convs)(torch.zeros(1, *obs_shape)).shape[1]
+            self.torso = nn.Sequential(*convs, layer_init(nn.Linear(flat_size, hidden)), nn.ReLU())
+        self.lstm = nn.LSTMCell(hidden, max(hidden, 64)) if use_lstm else None
+        core_size = self.lstm.hidden_size if use_lstm else hidden
+        if len(obs_shape) == 1:
+            self.actor = mlp(core_size, num_actions, std=0.01)
+            self.critic = mlp(core_size, 1, std=1.0)
+        else:
+            self.actor = layer_init(nn.Linear(core_size, num_actions), std=0.01)
+            self.critic = layer_init(nn.Linear(core_size, 1), std=1.0)
+            self.to(memory_format=torch.channels_last)  # NHWC: the convolutions' fast layout on CPU (README)
+
+    def initial_state(self, batch_size):
+        """The core state (h, c), each [B, hidden]; () without an LSTM."""
+        return () if self.lstm is None else tuple(torch.zeros(batch_size, self.lstm.hidden_size) for _ in range(2))
+
+    def forward(self, obs, first, core_state):
+        """obs [T, B, *obs_shape], first [T, B] (True where an episode starts) -> the outputs by name: logits [T, B, A],
+        values [T, B], core_state (after the last step), activations (the output of each of the torso's ReLUs,
+        [T * B, ...], for the dead-units diagnostic). A new head is one more key."""
+        T, B, *_ = obs.shape
+        # Mixed precision: under bf16 autocast, convolutions and matrix products run in bfloat16 on float32 parameters
+        # (bf16 has float32's exponent range, so unlike float16 no loss scaling is needed); the outputs go back to float32.
+        with torch.autocast(obs.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
+            x = obs.flatten(0, 1)
+            if x.dim() == 4:  # frames: NHWC like the weights, converted while still uint8
+                x = x.contiguous(memory_format=torch.channels_last)
+            x = x.to(self.dtype) / self.obs_scale
+            activations = []
+            for layer in self.torso:
+                x = layer(x)
+                if isinstance(layer, nn.ReLU):
+                    activations.append(x)
+            x = x.view(T, B, -1)
+            if self.lstm is not None:
+                h, c = core_state
+                outputs = []
+                for t in range(T):
+                    keep = (~first[t]).float().unsqueeze(-1)  # reset the state where an episode starts
+                    h, c = self.lstm(x[t], (h * keep, c * keep))
+                    outputs.append(h)
+                x, core_state = torch.stack(outputs), (h.float(), c.float())
+            logits, values = self.actor(x), self.critic(x).squeeze(-1)
+        return {"logits": logits.float(), "values": values.float(), "core_state": core_state, "activations": activations}
+
+
+# ALGO LOGIC: acting. Each actor process steps its envs with the shared CPU agent into shared-memory rollout slots
+def create_buffers(args, obs_space, num_actions, core_state):
+    """Shared-memory rollout slots: [num_buffers, T + 1, ...] per step, [num_buffers, ...] per rollout."""
+    T = args.unroll_length
+    specs = dict(
+        obs=((T + 1, *obs_space.shape), torch.from_numpy(np.zeros(0, obs_space.dtype)).dtype),
+        reward=((T + 1,), torch.float32),  # reward received on arriving at obs[t], unclipped
+        terminated=((T + 1,), torch.bool),  # obs[t] is terminal (a lost life counts with --episodic-life)
+        truncated=((T + 1,), torch.bool),  # obs[t] is the last of an episode cut by the time limit
+        action=((T + 1,), torch.int64),  # action taken on obs[t]
+        logits=((T + 1, num_actions), torch.float32),  # behavior policy logits on obs[t]
+        policy_version=((), torch.int64),  # learner updates done when the rollout started
+    )
+    if core_state:
+        specs["core_state"] = ((len(core_state), *core_state[0].shape[1:]), torch.float32)  # before obs[0]
+    needed = sum(args.num_buffers * int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs.values())
+    free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else needed
+    if needed > free:
+        sys.exit(
+            f"error: the rollout buffers need {needed / 2**20:.0f} MiB of shared memory but /dev/shm has "
+            f"{free / 2**20:.0f} MiB free: lower --num-buffers or enlarge /dev/shm (docker run --shm-size)"
+        )
+    return {key: torch.zeros(args.num_buffers, *shape, dtype=dtype).share_memory_() for key, (shape, dtype) in specs.items()}
+
+
+def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop):
+    """Steps `num_envs_per_actor` envs with the shared CPU `agent`, filling one buffer slot per env per rollout."""
+    try:
+        torch.set_num_threads(1)
+        parent = os.getppid()
+
+        def get_free_index():  # None once the run stops or the process that started the actor has died
+            while not stop.is_set() and os.getppid() == parent:
+                try:
+                    return free_queue.get(timeout=1.0)
+                except queue.Empty:
+                    pass
+            return None
+
+        K, T = args.num_envs_per_actor, args.unroll_length
+        seed = args.seed + actor_index * K
+        torch.manual_seed(seed)
+        envs = [make_env(args) for _ in range(K)]
+        obs = np.stack([env.reset(seed=seed + k)[0] for k, env in enumerate(envs)])
+        # The current step of each env; the last step of one rollout is the first of the next.
+        step = dict(
+            obs=torch.from_numpy(obs),
+            reward=torch.zeros(K),
+            terminated=torch.zeros(K, dtype=torch.bool),
+            truncated=torch.zeros(K, dtype=torch.bool),
+            action=torch.zeros(K, dtype=torch.int64),
+        )
+        first = torch.ones(K, dtype=torch.bool)  # step["obs"] starts an episode
+        core_state = agent.initial_state(K)  # before the current step
+        game_return, game_length = np.zeros(K), np.zeros(K, dtype=np.int64)
+        recorder = None
+        if args.capture_video and actor_index == 0:  # env 0's games; in eval mode all of them
+            recorder = GameRecorder(
+                envs[0].unwrapped.ale.getScreenRGB,
+                os.path.join("videos", args.run_name),
+                0 if args.eval_checkpoint else args.video_interval * 60,
+            )
+            recorder.step(True, [], policy_version.value)  # the first game's reset screen
+
+        def act(core_state):
+            with torch.no_grad():
+                output = agent(step["obs"][None], first[None], core_state)
+            step["logits"] = output["logits"][0]
+            step["action"] = torch.multinomial(torch.softmax(step["logits"], dim=-1), 1).squeeze(-1)
+            return output["core_state"]
+
+        next_core_state = act(core_state)
+        while True:
+            indices = [get_free_index() for _ in range(K)]
+            if None in indices:
+                break
+            for k, index in enumerate(indices):
+                buffers["policy_version"][index] = policy_version.value
+                if core_state:  # the state the core starts obs[0] from, already reset if obs[0] starts an episode
+                    buffers["core_state"][index] = torch.stack([s[k] for s in core_state]) * ~first[k]
+            for t in range(T + 1):
+                if t > 0:
+                    # EnvPool-style auto-reset: an env whose last step ended its episode returns the reset obs now.
+                    first = step["terminated"] | step["truncated"]
+                    for k, env in enumerate(envs):
+                        obs, reward, terminated, truncated, info = env.step(step["action"][k].item())
+                        step["obs"][k] = torch.from_numpy(obs)
+                        step["reward"][k], step["terminated"][k], step["truncated"][k] = reward, terminated, truncated
+                        counted = not first[k]  # the reset step belongs to no episode
+                        game_over = counted and (truncated or info.get("terminated", terminated))  # not just a life
+                        if counted:
+                            game_return[k] += reward
+                            game_length[k] += 1
+                        if recorder is not None and k == 0:
+                            ended = [(game_return[0], game_length[0])] if game_over else []
+                            recorder.step(first[0] and game_length[0] == 0, ended, policy_version.value)
+                        if game_over:
+                            episode_queue.put((game_return[k], game_length[k]))
+                            game_return[k], game_length[k] = 0.0, 0
+                    core_state, next_core_state = next_core_state, act(next_core_state)
+                for k, index in enumerate(indices):
+                    for key, value in step.items():
+                        buffers[key][index, t] = value[k]
+            for index in indices:
+                full_queue.put(index)
+        if recorder is not None:
+            recorder.close()
+    except KeyboardInterrupt:
+        pass
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.write(f"actor {actor_index} failed\n")
+        sys.exit(1)
+
+
+# ALGO LOGIC: learning
+def get_batch(args, buffers, free_queue, full_queue, stop, device):
+    """B full rollouts, time-major on the learner's device; their slots go straight back to the actors. None once the
+    run stops."""
+    indices = []
+    while len(indices) < args.batch_size:
+        try:
+            indices.append(full_queue.get(timeout=0.5))
+        except queue.Empty:
+            if stop.is_set():
+                return None
+    batch = {key: buffer[indices] for key, buffer in buffers.items()}  # [B, ...]
+    for index in indices:
+        free_queue.put(index)
+    # [T + 1, B, ...] per step, core_state [2, B, hidden], policy_version [B]
+    return {
+        key: (value.transpose(0, 1) if value.dim() > 1 else value).to(device, non_blocking=True)
+        for key, value in batch.items()
+    }
+
+
+def compute_loss(agent, batch, args):
+    """V-trace actor-critic loss on rollouts [T + 1, B, ...].
+
+    Losses are summed over T and B (as in the IMPALA paper and TorchBeast), not averaged; RMSProp divides the
+    gradient's scale out, so one learning rate serves batches of 160 (the default) and 640 steps (the paper's).
+    """
+    done = batch["terminated"] | batch["truncated"]
+    # After a final obs comes a reset obs; the stored core state is already reset for obs[0].
+    first = torch.cat([torch.zeros_like(done[:1]), done[:-1]])
+    core_state = tuple(batch["core_state"]) if "core_state" in batch else ()
+    output = agent(batch["obs"], first, core_state)
+    logits, values = output["logits"], output["values"]  # [T + 1, B, A], [T + 1, B]
+
+    # Move from obs[t] -> reward[t] to action[t] -> reward[t + 1]: step t is (obs[t], action[t], reward[t + 1], obs[t + 1]).
+    actions = batch["action"][:-1]
+    rewards = batch["reward"][1:].clamp(-1, 1) if args.reward_clip else batch["reward"][1:]
+    discounts = (~batch["terminated"][1:]).float() * args.gamma  # a truncated episode bootstraps from its final obs
+    target_log_probs = vtrace.action_log_probs(logits[:-1], actions)
+    behavior_log_probs = vtrace.action_log_probs(batch["logits"][:-1], actions)
+    # On a final obs the env ignores the action and resets: importance weight 0 stops the trace there
+    # (vs = V(final obs)) and gives the step no advantage.
+    log_rhos = (target_log_probs - behavior_log_probs).masked_fill(done[:-1], float("-inf"))
+    vtrace_returns = vtrace.from_importance_weights(
+        log_rhos=log_rhos,
+        discounts=discounts,
+        rewards=rewards,
+        values=values[:-1],
+        bootstrap_value=values[-1],
+        clip_rho_threshold=args.clip_rho_threshold,
+        clip_pg_rho_threshold=args.clip_pg_rho_threshold,
+        lambda_=args.vtrace_lambda,
+    )
+    policy_loss = -(vtrace_returns.pg_advantages * target_log_probs).sum()
+    value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
+    entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
+    loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum()
+    stats = {
+        "losses/policy_loss": policy_loss,
+        "losses/value_loss": value_loss,
+        "losses/entropy": entropy.mean(),
+        "losses/loss": loss,
+        "stats/value": values[:-1].mean(),
+    }
+    for i, activation in enumerate(output["activations"], 1):  # a unit (a conv's channel) 0 on every step learns nothing
+        stats[f"stats/dead_units_{i}"] = (activation <= 0).transpose(0, 1).flatten(1).all(1).float().mean()
+    return loss, stats
+
+
+def make_optimizer(args, agent):
+    return torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
+
+
+def learn(agent, optimizer, batch, args, global_step):
+    """One update on a batch of rollouts [T + 1, B, ...]: the loss, its gradient clipped to `max_grad_norm`, and an
+    optimizer step. Returns the update's stats as floats. Raises FloatingPointError if the gradient is not finite: the
+    update is not applied."""
+    learning_rate = args.learning_rate * (1.0 - global_step / args.total_timesteps if args.anneal_lr else 1.0)
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate
+    loss, stats = compute_loss(agent, batch, args)
+    optimizer.zero_grad()
+    loss.backward()
+    grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
+    if not torch.isfinite(grad_norm):
+        bad = ", ".join(key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)) or "the gradient"
+        raise FloatingPointError(f"not finite ({bad})")
+    optimizer.step()
+    stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": grad_norm > args.max_grad_norm})
+    stats = dict(zip(stats, torch.stack([value.float() for value in stats.values()]).tolist()))  # one device sync
+    stats["charts/learning_rate"] = learning_rate
+    return stats
+
+
+# ======================================================================================================================
+# MACHINERY: what a researcher does not need to touch. Precision detection, EnvPool's Atari preprocessing on ale-py,
+# video, evaluation, argument checks, checkpoint I/O and the learner's counters, then the main program: actor
+# processes, learner threads, supervision, logging and shutdown.
+# ======================================================================================================================
+
+
+def bf16_native():
+    """True where the network's devices run bfloat16 natively: the actors' CPU (AVX512-BF16 or AMX) and, if the learner
+    is on CUDA, its GPU (Ampere on). Elsewhere bf16 is emulated and slower than float32. (Off with a torch that
+    lacks these CPU checks.)"""
+    cpu = any(getattr(torch.cpu, check, lambda: False)() for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return cpu and (not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] >= 8)
 
 
 class AtariEnv(gym.Env):
@@ -225,156 +564,6 @@ def area_resize_matrix(src, dst):
     return (overlap * dst / src).astype(np.float32)
 
 
-def is_atari(env_id):
-    return f"ALE/{env_id}" in gym.registry
-
-
-def make_env(args):
-    """An env that resets itself on the step after an episode ends, ignoring that step's action (as EnvPool does).
-    Seed it with its first `reset(seed=...)`."""
-    if is_atari(args.env_id):
-        env = AtariEnv(args.env_id, args.episodic_life, args.repeat_action_probability)
-    else:
-        env = gym.make(args.env_id)
-    return gym.wrappers.Autoreset(env)
-
-
-def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
-    torch.nn.init.orthogonal_(layer.weight, std)
-    torch.nn.init.constant_(layer.bias, bias_const)
-    return layer
-
-
-class ResidualBlock(nn.Module):
-    def __init__(self, channels):
-        super().__init__()
-        self.conv0 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
-        self.conv1 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
-
-    def forward(self, x):
-        return x + self.conv1(torch.relu(self.conv0(torch.relu(x))))
-
-
-class ConvSequence(nn.Module):
-    def __init__(self, in_channels, out_channels):
-        super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1)
-        self.pool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
-        self.res0, self.res1 = ResidualBlock(out_channels), ResidualBlock(out_channels)
-
-    def forward(self, x):
-        return self.res1(self.res0(self.pool(self.conv(x))))
-
-
-def mlp(in_features, out_features, std, hidden=256):
-    return nn.Sequential(
-        layer_init(nn.Linear(in_features, hidden)),
-        nn.ReLU(),
-        layer_init(nn.Linear(hidden, hidden)),
-        nn.ReLU(),
-        layer_init(nn.Linear(hidden, out_features), std=std),
-    )
-
-
-class Agent(nn.Module):
-    """Torso (Nature CNN or IMPALA ResNet for frames), optional LSTM core, policy and baseline heads. Vector
-    observations get separate policy and value MLPs of 256 ReLU units (README, implementation details)."""
-
-    def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False, bf16=False):
-        super().__init__()
-        self.dtype = torch.bfloat16 if bf16 else torch.float32  # what the forward computes in
-        if len(obs_shape) == 1:
-            self.obs_scale, hidden = 1.0, obs_shape[0]
-            self.torso = nn.Sequential()  # empty: the identity
-        elif network == "shallow":
-            self.obs_scale, hidden = 255.0, 512
-            self.torso = nn.Sequential(
-                layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)),
-                nn.ReLU(),
-                layer_init(nn.Conv2d(32, 64, 4, stride=2)),
-                nn.ReLU(),
-                layer_init(nn.Conv2d(64, 64, 3, stride=1)),
-                nn.ReLU(),
-                nn.Flatten(),
-                layer_init(nn.Linear(64 * 7 * 7, hidden)),
-                nn.ReLU(),
-            )
-        else:
-            self.obs_scale, hidden = 255.0, 256
-            self.torso = nn.Sequential(
-                ConvSequence(obs_shape[0], 16),
-                ConvSequence(16, 32),
-                ConvSequence(32, 32),
-                nn.Flatten(),
-                nn.ReLU(),
-                layer_init(nn.Linear(32 * 11 * 11, hidden)),
-                nn.ReLU(),
-            )
-        self.lstm = nn.LSTMCell(hidden, max(hidden, 64)) if use_lstm else None
-        core_size = self.lstm.hidden_size if use_lstm else hidden
-        if len(obs_shape) == 1:
-            self.actor, self.critic = mlp(core_size, num_actions, std=0.01), mlp(core_size, 1, std=1.0)
-        else:
-            self.actor = layer_init(nn.Linear(core_size, num_actions), std=0.01)
-            self.critic = layer_init(nn.Linear(core_size, 1), std=1.0)
-            self.to(memory_format=torch.channels_last)  # NHWC, the convolutions' fast layout: updates 25-30% faster on CPU
-
-    def initial_state(self, batch_size):
-        """The core state (h, c), each [B, hidden]; () without an LSTM."""
-        return () if self.lstm is None else tuple(torch.zeros(batch_size, self.lstm.hidden_size) for _ in range(2))
-
-    def forward(self, obs, first, core_state):
-        """obs [T, B, *obs_shape], first [T, B] (True where an episode starts) -> logits [T, B, A], values [T, B], core_state."""
-        T, B, *_ = obs.shape
-        # Mixed precision: under bf16 autocast, convolutions and matrix products run in bfloat16 on float32 parameters
-        # (bf16 has float32's exponent range, so unlike float16 no loss scaling is needed); the outputs go back to float32.
-        with torch.autocast(obs.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
-            x = obs.flatten(0, 1)
-            if x.dim() == 4:  # frames: NHWC like the weights, converted while still uint8
-                x = x.contiguous(memory_format=torch.channels_last)
-            x = x.to(self.dtype) / self.obs_scale
-            self.features = []  # the output of each of the torso's ReLUs, for the dead-units diagnostic
-            for layer in self.torso:
-                x = layer(x)
-                if isinstance(layer, nn.ReLU):
-                    self.features.append(x.detach())
-            x = x.view(T, B, -1)
-            if self.lstm is not None:
-                h, c = core_state
-                outputs = []
-                for t in range(T):
-                    keep = (~first[t]).float().unsqueeze(-1)  # reset the state where an episode starts
-                    h, c = self.lstm(x[t], (h * keep, c * keep))
-                    outputs.append(h)
-                x, core_state = torch.stack(outputs), (h.float(), c.float())
-            logits, values = self.actor(x), self.critic(x).squeeze(-1)
-        return logits.float(), values.float(), core_state
-
-
-def create_buffers(args, obs_space, num_actions, core_state):
-    """Shared-memory rollout slots: [num_buffers, T + 1, ...] per step, [num_buffers, ...] per rollout."""
-    T = args.unroll_length
-    specs = dict(
-        obs=((T + 1, *obs_space.shape), torch.from_numpy(np.zeros(0, obs_space.dtype)).dtype),
-        reward=((T + 1,), torch.float32),  # reward received on arriving at obs[t], unclipped
-        terminated=((T + 1,), torch.bool),  # obs[t] is terminal (a lost life counts with --episodic-life)
-        truncated=((T + 1,), torch.bool),  # obs[t] is the last of an episode cut by the time limit
-        action=((T + 1,), torch.int64),  # action taken on obs[t]
-        logits=((T + 1, num_actions), torch.float32),  # behavior policy logits on obs[t]
-        policy_version=((), torch.int64),  # learner updates done when the rollout started
-    )
-    if core_state:
-        specs["core_state"] = ((len(core_state), *core_state[0].shape[1:]), torch.float32)  # before obs[0]
-    needed = sum(args.num_buffers * int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs.values())
-    free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else needed
-    if needed > free:
-        sys.exit(
-            f"error: the rollout buffers need {needed / 2**20:.0f} MiB of shared memory but /dev/shm has "
-            f"{free / 2**20:.0f} MiB free: lower --num-buffers or enlarge /dev/shm (docker run --shm-size)"
-        )
-    return {key: torch.zeros(args.num_buffers, *shape, dtype=dtype).share_memory_() for key, (shape, dtype) in specs.items()}
-
-
 class GameRecorder:
     """--capture-video: env 0's games as H.264 MP4s of the full-colour screen, one frame per step (the last of its 4
     emulator frames; a game of L steps gives L + 1 frames with its first screen), played at the game's speed, streamed
@@ -410,143 +599,6 @@ class GameRecorder:
         if self.writer is not None:
             self.writer.close()
             os.remove(self.path)
-
-
-def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop):
-    """Steps `num_envs_per_actor` envs with the shared CPU `agent`, filling one buffer slot per env per rollout."""
-    try:
-        torch.set_num_threads(1)
-        parent = os.getppid()
-
-        def get_free_index():  # None once the run stops or the process that started the actor has died
-            while not stop.is_set() and os.getppid() == parent:
-                try:
-                    return free_queue.get(timeout=1.0)
-                except queue.Empty:
-                    pass
-            return None
-
-        K, T = args.num_envs_per_actor, args.unroll_length
-        seed = args.seed + actor_index * K
-        torch.manual_seed(seed)
-        envs = [make_env(args) for _ in range(K)]
-        obs = np.stack([env.reset(seed=seed + k)[0] for k, env in enumerate(envs)])
-        # The current step of each env; the last step of one rollout is the first of the next.
-        step = dict(
-            obs=torch.from_numpy(obs),
-            reward=torch.zeros(K),
-            terminated=torch.zeros(K, dtype=torch.bool),
-            truncated=torch.zeros(K, dtype=torch.bool),
-            action=torch.zeros(K, dtype=torch.int64),
-        )
-        first = torch.ones(K, dtype=torch.bool)  # step["obs"] starts an episode
-        core_state = agent.initial_state(K)  # before the current step
-        game_return, game_length = np.zeros(K), np.zeros(K, dtype=np.int64)
-        recorder = None
-        if args.capture_video and actor_index == 0:  # env 0's games; in eval mode all of them
-            recorder = GameRecorder(
-                envs[0].unwrapped.ale.getScreenRGB,
-                os.path.join("videos", args.run_name),
-                0 if args.eval_checkpoint else args.video_interval * 60,
-            )
-            recorder.step(True, [], policy_version.value)  # the first game's reset screen
-
-        def act(core_state):
-            with torch.no_grad():
-                logits, _, next_core_state = agent(step["obs"][None], first[None], core_state)
-            step["logits"] = logits[0]
-            step["action"] = torch.multinomial(torch.softmax(logits[0], dim=-1), 1).squeeze(-1)
-            return next_core_state
-
-        next_core_state = act(core_state)
-        while True:
-            indices = [get_free_index() for _ in range(K)]
-            if None in indices:
-                break
-            for k, index in enumerate(indices):
-                buffers["policy_version"][index] = policy_version.value
-                if core_state:  # the state the core starts obs[0] from, already reset if obs[0] starts an episode
-                    buffers["core_state"][index] = torch.stack([s[k] for s in core_state]) * ~first[k]
-            for t in range(T + 1):
-                if t > 0:
-                    # EnvPool-style auto-reset: an env whose last step ended its episode returns the reset obs now.
-                    first = step["terminated"] | step["truncated"]
-                    for k, env in enumerate(envs):
-                        obs, reward, terminated, truncated, info = env.step(step["action"][k].item())
-                        step["obs"][k] = torch.from_numpy(obs)
-                        step["reward"][k], step["terminated"][k], step["truncated"][k] = reward, terminated, truncated
-                        counted = not first[k]  # the reset step belongs to no episode
-                        game_over = counted and (truncated or info.get("terminated", terminated))  # not just a life
-                        if counted:
-                            game_return[k] += reward
-                            game_length[k] += 1
-                        if recorder is not None and k == 0:
-                            ended = [(game_return[0], game_length[0])] if game_over else []
-                            recorder.step(first[0] and game_length[0] == 0, ended, policy_version.value)
-                        if game_over:
-                            episode_queue.put((game_return[k], game_length[k]))
-                            game_return[k], game_length[k] = 0.0, 0
-                    core_state, next_core_state = next_core_state, act(next_core_state)
-                for k, index in enumerate(indices):
-                    for key, value in step.items():
-                        buffers[key][index, t] = value[k]
-            for index in indices:
-                full_queue.put(index)
-        if recorder is not None:
-            recorder.close()
-    except KeyboardInterrupt:
-        pass
-    except Exception:
-        traceback.print_exc()
-        sys.stderr.write(f"actor {actor_index} failed\n")
-        sys.exit(1)
-
-
-def compute_loss(agent, batch, args):
-    """V-trace actor-critic loss on rollouts [T + 1, B, ...].
-
-    Losses are summed over T and B (as in the IMPALA paper and TorchBeast), not averaged; RMSProp divides the
-    gradient's scale out, so one learning rate serves batches of 160 (the default) and 640 steps (the paper's).
-    """
-    done = batch["terminated"] | batch["truncated"]
-    # After a final obs comes a reset obs; the stored core state is already reset for obs[0].
-    first = torch.cat([torch.zeros_like(done[:1]), done[:-1]])
-    core_state = tuple(batch["core_state"]) if "core_state" in batch else ()
-    logits, values, _ = agent(batch["obs"], first, core_state)  # [T + 1, B, A], [T + 1, B]
-
-    # Move from obs[t] -> reward[t] to action[t] -> reward[t + 1]: step t is (obs[t], action[t], reward[t + 1], obs[t + 1]).
-    actions = batch["action"][:-1]
-    rewards = batch["reward"][1:].clamp(-1, 1) if args.reward_clip else batch["reward"][1:]
-    discounts = (~batch["terminated"][1:]).float() * args.gamma  # a truncated episode bootstraps from its final obs
-    target_log_probs = vtrace.action_log_probs(logits[:-1], actions)
-    behavior_log_probs = vtrace.action_log_probs(batch["logits"][:-1], actions)
-    # On a final obs the env ignores the action and resets: importance weight 0 stops the trace there
-    # (vs = V(final obs)) and gives the step no advantage.
-    log_rhos = (target_log_probs - behavior_log_probs).masked_fill(done[:-1], float("-inf"))
-    vtrace_returns = vtrace.from_importance_weights(
-        log_rhos=log_rhos,
-        discounts=discounts,
-        rewards=rewards,
-        values=values[:-1],
-        bootstrap_value=values[-1],
-        clip_rho_threshold=args.clip_rho_threshold,
-        clip_pg_rho_threshold=args.clip_pg_rho_threshold,
-        lambda_=args.vtrace_lambda,
-    )
-    policy_loss = -(vtrace_returns.pg_advantages * target_log_probs).sum()
-    value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
-    entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
-    loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum()
-    stats = {
-        "losses/policy_loss": policy_loss,
-        "losses/value_loss": value_loss,
-        "losses/entropy": entropy.mean(),
-        "losses/loss": loss,
-        "stats/value": values[:-1].mean(),
-    }
-    for i, features in enumerate(agent.features, 1):  # a unit (a conv's channel) 0 on every step learns nothing from it
-        stats[f"stats/dead_units_{i}"] = (features <= 0).transpose(0, 1).flatten(1).all(1).float().mean()
-    return loss, stats
 
 
 def evaluate(args, agent, obs_space, num_actions, version):
@@ -637,6 +689,43 @@ def load_checkpoint(path, args):
     return checkpoint
 
 
+def check_resumable(path, checkpoint, agent, optimizer=None):
+    """Exits with a one-line error, before anything starts and leaving the file as it is, if the checkpoint's network
+    (or optimizer, when given) is not the one the flags and the code build: an edited network or another optimizer."""
+    saved = {key: tuple(value.shape) for key, value in checkpoint["model"].items()}
+    built = {key: tuple(value.shape) for key, value in agent.state_dict().items()}
+    if saved != built:
+        differ = sorted(set(saved.items()) ^ set(built.items()))[0][0]
+        sys.exit(
+            f"error: checkpoint {path} holds another network ({differ} differs): resume with the network it was "
+            "trained with, or start a new run"
+        )
+    if optimizer is None:
+        return
+    # The state an optimizer keeps per parameter names it (RMSprop: square_avg; Adam: exp_avg, exp_avg_sq): take one
+    # step with zero gradients on a copy to see what this one keeps.
+    probe = copy.deepcopy(agent)
+    probe_optimizer = type(optimizer)(probe.parameters(), **optimizer.defaults)
+    for p in probe.parameters():
+        p.grad = torch.zeros_like(p)
+    probe_optimizer.step()
+    keeps = {key for state in probe_optimizer.state_dict()["state"].values() for key in state}
+    kept = {key for state in checkpoint["optimizer"]["state"].values() for key in state}
+    if kept and kept != keeps:
+        sys.exit(
+            f"error: checkpoint {path} holds the state of another optimizer ({', '.join(sorted(kept))}) than "
+            f"{type(optimizer).__name__}: resume with the optimizer it was trained with, or start a new run"
+        )
+
+
+@dataclass
+class Progress:
+    """The learner's counters, shared by its thread and the main loop."""
+
+    global_step: int = 0
+    num_updates: int = 0
+
+
 def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
     """Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint; the one it replaces
     is kept as checkpoint.prev.pt. Non-finite parameters are refused (returns False), so no path writes them."""
@@ -682,7 +771,9 @@ if __name__ == "__main__":
     obs_space, num_actions = env.observation_space, env.action_space.n
     env.close()
     agent = Agent(obs_space.shape, num_actions, args.network, args.use_lstm, args.bf16)
+    optimizer = make_optimizer(args, agent)
     if checkpoint is not None:
+        check_resumable(args.resume or args.eval_checkpoint, checkpoint, agent, None if args.eval_checkpoint else optimizer)
         agent.load_state_dict(checkpoint["model"])
     # The CPU copy the actors act with, in shared memory. With bf16 it holds bf16 parameters: autocast would otherwise
     # cast the weights anew at every step.
@@ -697,11 +788,10 @@ if __name__ == "__main__":
         sys.exit(0)
 
     agent.to(device)
-    optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
-    global_step, num_updates = 0, 0
+    progress = Progress()
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
-        global_step, num_updates = checkpoint["global_step"], checkpoint["num_updates"]
+        progress = Progress(checkpoint["global_step"], checkpoint["num_updates"])
     run_dir = os.path.join("runs", args.run_name)
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     if args.track:
@@ -719,100 +809,64 @@ if __name__ == "__main__":
             id=args.wandb_id,
             resume="allow",
         ).id
-    writer = SummaryWriter(
-        run_dir, purge_step=global_step + 1 if args.resume else None
-    )  # drop what was logged after the checkpoint
-    writer.add_text(
-        "hyperparameters", "|param|value|\n|-|-|\n%s" % "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-    )
-    print(f"{run_dir}: learner on {device}, network forward in {str(agent.dtype)[len('torch.') :]}", flush=True)
+    # purge_step: drop what was logged after the checkpoint
+    writer = SummaryWriter(run_dir, purge_step=progress.global_step + 1 if args.resume else None)
+    table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+    precision = str(agent.dtype)[len("torch.") :]
+    print(f"{run_dir}: learner on {device}, network forward in {precision}", flush=True)
 
     # TRY NOT TO MODIFY: start the actors
     buffers = create_buffers(args, obs_space, num_actions, agent.initial_state(1))
     ctx = mp.get_context("fork")
     free_queue, full_queue, episode_queue = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    policy_version = ctx.Value("l", num_updates)
+    policy_version = ctx.Value("l", progress.num_updates)
     stop = ctx.Event()  # ends the actors and the learner threads
     for index in range(args.num_buffers):
         free_queue.put(index)
     actors = []
     for actor_index in range(args.num_actors):
-        process = ctx.Process(
-            target=actor,
-            daemon=True,
-            args=(actor_index, args, actor_agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop),
-        )
+        actor_args = (actor_index, args, actor_agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop)
+        process = ctx.Process(target=actor, args=actor_args, daemon=True)
         # The main process shuts the actors down (`stop`): Ctrl-C and SIGTERM go to it alone.
         sigint, sigterm = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
         process.start()
         signal.signal(signal.SIGINT, sigint), signal.signal(signal.SIGTERM, sigterm)
         actors.append(process)
 
-    # ALGO LOGIC: the learner
-    T, B = args.unroll_length, args.batch_size
+    # TRY NOT TO MODIFY: the learner threads; the update itself is `learn`
     batch_lock, learn_lock = threading.Lock(), threading.Lock()
     learner_errors = []
 
-    def get_batch():
-        """B full rollouts, time-major on the learner's device; their slots go straight back to the actors."""
-        indices = []
-        while len(indices) < B:
-            try:
-                indices.append(full_queue.get(timeout=0.5))
-            except queue.Empty:
-                if stop.is_set():
-                    return None
-        batch = {key: buffer[indices] for key, buffer in buffers.items()}  # [B, ...]
-        for index in indices:
-            free_queue.put(index)
-        # [T + 1, B, ...] per step, core_state [2, B, hidden], policy_version [B]
-        return {
-            key: (value.transpose(0, 1) if value.dim() > 1 else value).to(device, non_blocking=True)
-            for key, value in batch.items()
-        }
-
     def learner_thread():
-        global global_step, num_updates
         try:
-            while not stop.is_set() and global_step < args.total_timesteps:
-                batch_start = time.time()
+            while not stop.is_set() and progress.global_step < args.total_timesteps:
+                wait_start = time.time()
                 with batch_lock:
-                    batch = get_batch()
+                    batch = get_batch(args, buffers, free_queue, full_queue, stop, device)
                 if batch is None:
                     return
                 with learn_lock:
                     update_start = time.time()
-                    lr = args.learning_rate * (1.0 - global_step / args.total_timesteps if args.anneal_lr else 1.0)
-                    optimizer.param_groups[0]["lr"] = lr
-                    loss, stats = compute_loss(agent, batch, args)
-                    optimizer.zero_grad()
-                    loss.backward()
-                    grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
-                    if not torch.isfinite(grad_norm):
-                        bad = (
-                            ", ".join(key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value))
-                            or "the gradient"
-                        )
+                    try:
+                        stats = learn(agent, optimizer, batch, args, progress.global_step)
+                    except FloatingPointError as e:
                         learner_errors.append(
-                            f"update {num_updates + 1} at global_step={global_step} is not finite ({bad}): "
-                            "not applied, the checkpoint keeps the parameters before it; "
-                            "lower --learning-rate or check the rewards"
+                            f"update {progress.num_updates + 1} at global_step={progress.global_step} is "
+                            f"{e}: not applied, the checkpoint keeps the parameters before it; lower "
+                            "--learning-rate or check the rewards"
                         )
                         stop.set()
                         return
-                    optimizer.step()
                     actor_agent.load_state_dict(agent.state_dict())
-                    policy_lag = num_updates - batch["policy_version"].float().mean().item()
-                    num_updates += 1
-                    policy_version.value = num_updates
-                    global_step += T * B
-                    stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": grad_norm > args.max_grad_norm})
-                    for tag, value in zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()):  # one device sync
-                        writer.add_scalar(tag, value, global_step)
-                    writer.add_scalar("charts/learning_rate", lr, global_step)
-                    writer.add_scalar("stats/policy_lag", policy_lag, global_step)
-                    writer.add_scalar("stats/batch_wait_time", update_start - batch_start, global_step)
-                    writer.add_scalar("stats/update_time", time.time() - update_start, global_step)
+                    stats["stats/policy_lag"] = progress.num_updates - batch["policy_version"].float().mean().item()
+                    progress.num_updates += 1
+                    policy_version.value = progress.num_updates
+                    progress.global_step += args.unroll_length * args.batch_size
+                    stats["stats/batch_wait_time"] = update_start - wait_start
+                    stats["stats/update_time"] = time.time() - update_start
+                    for tag, value in stats.items():
+                        writer.add_scalar(tag, value, progress.global_step)
         except Exception as e:
             learner_errors.append(f"the learner failed: {e!r}")
             traceback.print_exc()
@@ -824,7 +878,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     learners = [threading.Thread(target=learner_thread) for _ in range(args.num_learner_threads)]
     start_time = last_log = last_checkpoint = last_progress = time.time()
-    start_step = last_progress_step = global_step
+    start_step = last_progress_step = progress.global_step
     recent_returns = collections.deque(maxlen=20)
     exit_code = 0
     try:
@@ -835,38 +889,38 @@ if __name__ == "__main__":
             while not episode_queue.empty():
                 episodic_return, episodic_length = episode_queue.get()
                 recent_returns.append(episodic_return)
-                writer.add_scalar("charts/episodic_return", episodic_return, global_step)
-                writer.add_scalar("charts/episodic_length", episodic_length, global_step)
+                writer.add_scalar("charts/episodic_return", episodic_return, progress.global_step)
+                writer.add_scalar("charts/episodic_length", episodic_length, progress.global_step)
             if learner_errors:  # before the actors: they end when a failed learner stops the run
                 raise RuntimeError(learner_errors[0])
             failed = [(i, p.exitcode) for i, p in enumerate(actors) if not p.is_alive()]
             if failed:
                 raise RuntimeError(f"actor {failed[0][0]} exited with code {failed[0][1]}")
             now = time.time()
-            if global_step != last_progress_step:
-                last_progress, last_progress_step = now, global_step
+            if progress.global_step != last_progress_step:
+                last_progress, last_progress_step = now, progress.global_step
             elif now - last_progress > args.stall_timeout:
                 side = "the learner (rollouts wait for it)" if full_queue.qsize() else "the actors (no batch came)"
                 raise RuntimeError(f"no update for {now - last_progress:.0f} s (--stall-timeout): {side} stalled")
             if now - last_log >= 5.0:
-                sps = int((global_step - start_step) / (now - start_time))
-                writer.add_scalar("charts/SPS", sps, global_step)
-                writer.add_scalar("stats/full_queue_size", full_queue.qsize(), global_step)
+                sps = int((progress.global_step - start_step) / (now - start_time))
+                writer.add_scalar("charts/SPS", sps, progress.global_step)
+                writer.add_scalar("stats/full_queue_size", full_queue.qsize(), progress.global_step)
                 mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
                 print(
-                    f"global_step={global_step} SPS={sps} updates={num_updates} "
+                    f"global_step={progress.global_step} SPS={sps} updates={progress.num_updates} "
                     f"episodic_return(last {len(recent_returns)})={mean_return}",
                     flush=True,
                 )
                 last_log = now
             if now - last_checkpoint >= args.checkpoint_interval:
                 with learn_lock:
-                    save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
+                    save_checkpoint(checkpoint_path, agent, optimizer, progress.global_step, progress.num_updates, args)
                 last_checkpoint = now
         if learner_errors:
             raise RuntimeError(learner_errors[0])
     except KeyboardInterrupt:
-        print(f"interrupted at global_step={global_step}", flush=True)
+        print(f"interrupted at global_step={progress.global_step}", flush=True)
     except RuntimeError as e:
         print(f"error: {e}; stopping the run", file=sys.stderr, flush=True)
         exit_code = 1
@@ -880,10 +934,10 @@ if __name__ == "__main__":
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
-        saved = save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
+        saved = save_checkpoint(checkpoint_path, agent, optimizer, progress.global_step, progress.num_updates, args)
         exit_code = exit_code if saved else 1
         print(
-            f"{'saved' if saved else 'did not save'} {checkpoint_path} at global_step={global_step} "
+            f"{'saved' if saved else 'did not save'} {checkpoint_path} at global_step={progress.global_step} "
             f"(mean of the last {len(recent_returns)} episodic returns: "
             f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f})",
             flush=True,

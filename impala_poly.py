@@ -9,7 +9,7 @@ and Cleanba (async EnvPool, one bounded queue to the learner); the agent and the
     # one machine, 8 GPUs: a pool and a learner per GPU, gradients averaged over them
     torchrun --standalone --nproc-per-node 8 impala_poly.py --env-id Breakout-v5
     # two machines: the same command on each, with --node-rank 1 on the second
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr <first machine> --master-port 29500 impala_poly.py --env-id Breakout-v5
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr <first machine> impala_poly.py --env-id Breakout-v5
 """
 
 import collections
@@ -41,14 +41,6 @@ from torch.utils.tensorboard import SummaryWriter
 import vtrace
 
 
-def bf16_native():
-    """True where the network's device runs bfloat16 natively: a CUDA GPU from Ampere on, a CPU with AVX512-BF16 or AMX.
-    Elsewhere bf16 is emulated and slower than float32. (Off with a torch that lacks these CPU checks.)"""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_capability()[0] >= 8
-    return any(getattr(torch.cpu, check, lambda: False)() for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-
-
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -69,7 +61,7 @@ class Args:
     """Atari: record games as MP4s under videos/<run_name>/: every game in eval mode, one every `video_interval` in training"""
     video_interval: float = 10.0
     """minutes between the games recorded in training with --capture-video"""
-    bf16: bool = field(default_factory=bf16_native)
+    bf16: bool = field(default_factory=lambda: bf16_native())
     """run the Atari network's forward in bfloat16 (autocast; parameters, optimizer and loss stay float32); default: on
     where the hardware runs bf16 natively. Classic-control MLPs always run in float32 (bf16 made them slower)"""
     env_id: str = "Pong-v5"
@@ -155,22 +147,14 @@ def make_env(args, num_envs, batch_size, seed, num_threads):
     """An EnvPool pool; env i is seeded with seed + i. Atari keeps EnvPool's preprocessing (30 no-ops, 4-frame skip,
     84x84 gray, 4 stacked frames, fire reset, 27,000-step cap). After a final obs an env returns the reset obs on its
     next step and ignores that step's action."""
-    atari_kwargs = (
-        dict(episodic_life=args.episodic_life, repeat_action_probability=args.repeat_action_probability, reward_clip=False)
-        if is_atari(args.env_id)
-        else {}
-    )
-    render = dict(render_mode="rgb_array") if args.capture_video else {}  # full-colour screens for videos
-    return envpool.make(
-        args.env_id,
-        env_type="gymnasium",
-        num_envs=num_envs,
-        batch_size=batch_size,
-        num_threads=num_threads,
-        seed=seed,
-        **atari_kwargs,
-        **render,
-    )
+    kwargs = {"num_envs": num_envs, "batch_size": batch_size, "num_threads": num_threads, "seed": seed}
+    if is_atari(args.env_id):  # rewards stay unclipped here: the loss clips them (--reward-clip), the logs do not
+        kwargs.update(
+            episodic_life=args.episodic_life, repeat_action_probability=args.repeat_action_probability, reward_clip=False
+        )
+    if args.capture_video:
+        kwargs["render_mode"] = "rgb_array"  # full-colour screens for videos
+    return envpool.make(args.env_id, env_type="gymnasium", **kwargs)
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -220,45 +204,42 @@ class Agent(nn.Module):
         if len(obs_shape) == 1:
             self.obs_scale, hidden = 1.0, obs_shape[0]
             self.torso = nn.Sequential()  # empty: the identity
-        elif network == "shallow":
-            self.obs_scale, hidden = 255.0, 512
-            self.torso = nn.Sequential(
-                layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)),
-                nn.ReLU(),
-                layer_init(nn.Conv2d(32, 64, 4, stride=2)),
-                nn.ReLU(),
-                layer_init(nn.Conv2d(64, 64, 3, stride=1)),
-                nn.ReLU(),
-                nn.Flatten(),
-                layer_init(nn.Linear(64 * 7 * 7, hidden)),
-                nn.ReLU(),
-            )
         else:
-            self.obs_scale, hidden = 255.0, 256
-            self.torso = nn.Sequential(
-                ConvSequence(obs_shape[0], 16),
-                ConvSequence(16, 32),
-                ConvSequence(32, 32),
-                nn.Flatten(),
-                nn.ReLU(),
-                layer_init(nn.Linear(32 * 11 * 11, hidden)),
-                nn.ReLU(),
-            )
+            if network == "shallow":
+                self.obs_scale, hidden = 255.0, 512
+                convs = [
+                    layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)),
+                    nn.ReLU(),
+                    layer_init(nn.Conv2d(32, 64, 4, stride=2)),
+                    nn.ReLU(),
+                    layer_init(nn.Conv2d(64, 64, 3, stride=1)),
+                    nn.ReLU(),
+                    nn.Flatten(),
+                ]
+            else:
+                self.obs_scale, hidden = 255.0, 256
+                convs = [ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32), nn.Flatten(), nn.ReLU()]
+            with torch.no_grad():  # the flattened size, from a dummy frame through the layers
+                flat_size = nn.Sequential(*convs)(torch.zeros(1, *obs_shape)).shape[1]
+            self.torso = nn.Sequential(*convs, layer_init(nn.Linear(flat_size, hidden)), nn.ReLU())
         self.lstm = nn.LSTMCell(hidden, max(hidden, 64)) if use_lstm else None
         core_size = self.lstm.hidden_size if use_lstm else hidden
         if len(obs_shape) == 1:
-            self.actor, self.critic = mlp(core_size, num_actions, std=0.01), mlp(core_size, 1, std=1.0)
+            self.actor = mlp(core_size, num_actions, std=0.01)
+            self.critic = mlp(core_size, 1, std=1.0)
         else:
             self.actor = layer_init(nn.Linear(core_size, num_actions), std=0.01)
             self.critic = layer_init(nn.Linear(core_size, 1), std=1.0)
-            self.to(memory_format=torch.channels_last)  # NHWC, the convolutions' fast layout: updates 25-30% faster on CPU
+            self.to(memory_format=torch.channels_last)  # NHWC: the convolutions' fast layout on CPU (README)
 
     def initial_state(self, batch_size):
         """The core state (h, c), each [B, hidden]; () without an LSTM."""
         return () if self.lstm is None else tuple(torch.zeros(batch_size, self.lstm.hidden_size) for _ in range(2))
 
     def forward(self, obs, first, core_state):
-        """obs [T, B, *obs_shape], first [T, B] (True where an episode starts) -> logits [T, B, A], values [T, B], core_state."""
+        """obs [T, B, *obs_shape], first [T, B] (True where an episode starts) -> the outputs by name: logits [T, B, A],
+        values [T, B], core_state (after the last step), activations (the output of each of the torso's ReLUs,
+        [T * B, ...], for the dead-units diagnostic). A new head is one more key."""
         T, B, *_ = obs.shape
         # Mixed precision: under bf16 autocast, convolutions and matrix products run in bfloat16 on float32 parameters
         # (bf16 has float32's exponent range, so unlike float16 no loss scaling is needed); the outputs go back to float32.
@@ -267,11 +248,11 @@ class Agent(nn.Module):
             if x.dim() == 4:  # frames: NHWC like the weights, converted while still uint8
                 x = x.contiguous(memory_format=torch.channels_last)
             x = x.to(self.dtype) / self.obs_scale
-            self.features = []  # the output of each of the torso's ReLUs, for the dead-units diagnostic
+            activations = []
             for layer in self.torso:
                 x = layer(x)
                 if isinstance(layer, nn.ReLU):
-                    self.features.append(x.detach())
+                    activations.append(x)
             x = x.view(T, B, -1)
             if self.lstm is not None:
                 h, c = core_state
@@ -282,9 +263,10 @@ class Agent(nn.Module):
                     outputs.append(h)
                 x, core_state = torch.stack(outputs), (h.float(), c.float())
             logits, values = self.actor(x), self.critic(x).squeeze(-1)
-        return logits.float(), values.float(), core_state
+        return {"logits": logits.float(), "values": values.float(), "core_state": core_state, "activations": activations}
 
 
+# ALGO LOGIC: acting. The envs' async batches go through one batched inference; finished rollouts go to the learner
 class ActingPolicy:
     """The copy of the agent the envs act with, on the learner's device; the learner swaps new parameters in after
     every update. The lock keeps inference from reading half-copied parameters. With bf16 the copy holds bf16
@@ -297,10 +279,11 @@ class ActingPolicy:
     def act(self, obs, first, core_state):
         """obs [n, *obs_shape], first [n] -> action [n], logits [n, A], the next core_state, the policy version."""
         with self.lock:
-            logits, _, core_state = self.agent(obs[None], first[None], core_state)
+            output = self.agent(obs[None], first[None], core_state)
             version = self.version
-        action = torch.multinomial(torch.softmax(logits[0], dim=-1), 1).squeeze(-1)
-        return action, logits[0], core_state, version
+        logits = output["logits"][0]
+        action = torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(-1)
+        return action, logits, output["core_state"], version
 
     @torch.no_grad()
     def update(self, agent, version):
@@ -308,27 +291,6 @@ class ActingPolicy:
             for acting, learning in zip(self.agent.state_dict().values(), agent.state_dict().values()):
                 acting.copy_(learning)
             self.version = version
-
-
-class GameTracker:
-    """Full-game returns and lengths per env. With --episodic-life a lost life ends an episode for learning, not the
-    game: EnvPool's info["terminated"] (Atari) says when the game is over."""
-
-    def __init__(self, num_envs):
-        self.after_final = np.ones(num_envs, bool)  # the env's next obs is a reset obs (so is the very first)
-        self.returns, self.lengths = np.zeros(num_envs), np.zeros(num_envs, np.int64)
-
-    def update(self, env_ids, reward, terminated, truncated, info):
-        """Returns first [n] (the obs starts an episode) and [(env_id, return, length)] of the games that just ended."""
-        first = self.after_final[env_ids]
-        self.after_final[env_ids] = terminated | truncated
-        counted = ~first  # the reset step belongs to no episode
-        self.returns[env_ids] += reward * counted
-        self.lengths[env_ids] += counted
-        ended = env_ids[truncated | info.get("terminated", terminated).astype(bool)]
-        games = list(zip(ended.tolist(), self.returns[ended].tolist(), self.lengths[ended].tolist()))
-        self.returns[ended], self.lengths[ended] = 0.0, 0
-        return first, games
 
 
 class RolloutAssembler:
@@ -368,6 +330,173 @@ class RolloutAssembler:
         return rollouts
 
 
+def stack_rollouts(rollouts, pin_memory):
+    """B rollouts -> one batch: [T + 1, B, ...] per step, core_state [2, B, hidden], policy_version [B]."""
+    batch = {}
+    for key, value in rollouts[0].items():
+        stacked = torch.from_numpy(np.stack([rollout[key] for rollout in rollouts], axis=min(1, value.ndim)))
+        batch[key] = stacked.pin_memory() if pin_memory else stacked
+    return batch
+
+
+def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device, recorder=None):
+    """recv -> act -> send on the pool until `stop`; every `batch_size` finished rollouts go to the learner as a batch."""
+    assembler, games = RolloutAssembler(args.num_envs, args.unroll_length), GameTracker(args.num_envs)
+    core_state = tuple(s.to(device) for s in policy.agent.initial_state(args.num_envs))  # each env's state before its next obs
+    rollouts = []
+    envs.async_reset()
+    while not stop.is_set():
+        recv_start = time.time()
+        obs, reward, terminated, truncated, info = envs.recv()
+        env_ids = info["env_id"]
+        act_start = time.time()
+        first, ended = games.update(env_ids, reward, terminated, truncated, info)
+        episodes.extend(ended)
+        if recorder is not None and 0 in env_ids:
+            ended_0 = [game[1:] for game in ended if game[0] == 0]
+            recorder.step(first[env_ids == 0][0] and games.lengths[0] == 0, ended_0, policy.version)
+        index, first_t = torch.from_numpy(env_ids).to(device), torch.from_numpy(first).to(device)
+        # The state fed to the core on obs: reset where obs starts an episode.
+        state = tuple(s[index] * ~first_t.unsqueeze(-1) for s in core_state)
+        action, logits, next_state, version = policy.act(torch.from_numpy(obs).to(device), first_t, state)
+        for s, next_s in zip(core_state, next_state):
+            s[index] = next_s
+        action = action.cpu().numpy()
+        start = dict(policy_version=np.full(len(env_ids), version))
+        if state:
+            start["core_state"] = torch.stack(state, dim=1).cpu().numpy()  # [n, 2, hidden]
+        # reward: received on arriving at obs, unclipped; terminated / truncated: obs is a final obs (the env resets
+        # on its next step, ignoring that action); logits: the behavior policy on obs.
+        logits = logits.cpu().numpy()
+        step = dict(obs=obs, reward=reward, terminated=terminated, truncated=truncated, action=action, logits=logits)
+        rollouts += assembler.add(env_ids, step, start)
+        envs.send(action, env_ids)
+        put_start = time.time()
+        while len(rollouts) >= args.batch_size and not stop.is_set():
+            batch = stack_rollouts(rollouts[: args.batch_size], pin_memory=device.type == "cuda")
+            rollouts = rollouts[args.batch_size :]
+            while not stop.is_set():
+                with contextlib.suppress(queue.Full):
+                    batch_queue.put(batch, timeout=0.5)
+                    break
+        timings["recv"] += act_start - recv_start
+        timings["act"] += put_start - act_start
+        timings["queue"] += time.time() - put_start
+    if recorder is not None:
+        recorder.close()
+
+
+# ALGO LOGIC: learning
+def compute_loss(agent, batch, args):
+    """V-trace actor-critic loss on rollouts [T + 1, B, ...].
+
+    Losses are summed over T and B (as in the IMPALA paper and TorchBeast), not averaged; RMSProp divides the
+    gradient's scale out, so one learning rate serves batches of 160 (the default) and 640 steps (the paper's).
+    """
+    done = batch["terminated"] | batch["truncated"]
+    # After a final obs comes a reset obs; the stored core state is already reset for obs[0].
+    first = torch.cat([torch.zeros_like(done[:1]), done[:-1]])
+    core_state = tuple(batch["core_state"]) if "core_state" in batch else ()
+    output = agent(batch["obs"], first, core_state)
+    logits, values = output["logits"], output["values"]  # [T + 1, B, A], [T + 1, B]
+
+    # Move from obs[t] -> reward[t] to action[t] -> reward[t + 1]: step t is (obs[t], action[t], reward[t + 1], obs[t + 1]).
+    actions = batch["action"][:-1]
+    rewards = batch["reward"][1:].clamp(-1, 1) if args.reward_clip else batch["reward"][1:]
+    discounts = (~batch["terminated"][1:]).float() * args.gamma  # a truncated episode bootstraps from its final obs
+    target_log_probs = vtrace.action_log_probs(logits[:-1], actions)
+    behavior_log_probs = vtrace.action_log_probs(batch["logits"][:-1], actions)
+    # On a final obs the env ignores the action and resets: importance weight 0 stops the trace there
+    # (vs = V(final obs)) and gives the step no advantage.
+    log_rhos = (target_log_probs - behavior_log_probs).masked_fill(done[:-1], float("-inf"))
+    vtrace_returns = vtrace.from_importance_weights(
+        log_rhos=log_rhos,
+        discounts=discounts,
+        rewards=rewards,
+        values=values[:-1],
+        bootstrap_value=values[-1],
+        clip_rho_threshold=args.clip_rho_threshold,
+        clip_pg_rho_threshold=args.clip_pg_rho_threshold,
+        lambda_=args.vtrace_lambda,
+    )
+    policy_loss = -(vtrace_returns.pg_advantages * target_log_probs).sum()
+    value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
+    entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
+    loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum()
+    stats = {
+        "losses/policy_loss": policy_loss,
+        "losses/value_loss": value_loss,
+        "losses/entropy": entropy.mean(),
+        "losses/loss": loss,
+        "stats/value": values[:-1].mean(),
+    }
+    for i, activation in enumerate(output["activations"], 1):  # a unit (a conv's channel) 0 on every step learns nothing
+        stats[f"stats/dead_units_{i}"] = (activation <= 0).transpose(0, 1).flatten(1).all(1).float().mean()
+    return loss, stats
+
+
+def make_optimizer(args, agent):
+    return torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
+
+
+def all_reduce_gradients(agent, world_size):
+    """Averages the gradients over the ranks, in one all_reduce. Every rank sends the same layout: a parameter with no
+    gradient on a rank (a head its batch did not reach) counts as zeros there, and one with no gradient on any rank
+    keeps none, as in a single-process update."""
+    params = list(agent.parameters())
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    has_grad = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    flat = torch.cat([g.flatten() for g in grads] + [has_grad])
+    dist.all_reduce(flat)
+    reduced_has_grad = flat[-len(params) :].tolist()
+    for p, grad, count in zip(params, flat[: -len(params)].split([p.numel() for p in params]), reduced_has_grad):
+        if count == 0:
+            p.grad = None
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)  # in the parameter's memory layout (channels-last for convolutions)
+        p.grad.copy_(grad.view_as(p) / world_size)
+
+
+def learn(agent, optimizer, batch, args, global_step, world_size=1):
+    """One update on a batch of rollouts [T + 1, B, ...]: the loss, its gradient averaged over the ranks (every rank
+    calls this with its own batch, in step), clipped to `max_grad_norm`, and an optimizer step. Returns the update's
+    stats as floats. Raises FloatingPointError, on every rank alike (after the all_reduce), if the gradient is not
+    finite: the update is not applied."""
+    learning_rate = args.learning_rate * (1.0 - global_step / args.total_timesteps if args.anneal_lr else 1.0)
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate
+    loss, stats = compute_loss(agent, batch, args)
+    optimizer.zero_grad()
+    loss.backward()
+    if world_size > 1:
+        all_reduce_gradients(agent, world_size)
+    grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
+    if not torch.isfinite(grad_norm):
+        bad = ", ".join(key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)) or "the gradient"
+        raise FloatingPointError(f"not finite ({bad})")
+    optimizer.step()
+    stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": grad_norm > args.max_grad_norm})
+    stats = dict(zip(stats, torch.stack([value.float() for value in stats.values()]).tolist()))  # one device sync
+    stats["charts/learning_rate"] = learning_rate
+    return stats
+
+
+# ======================================================================================================================
+# MACHINERY: what a researcher does not need to touch. Precision detection, video, evaluation, argument checks,
+# checkpoint I/O, the learner's counters and the ranks' stop agreement, then the main program: threads, supervision,
+# logging, restarts and shutdown.
+# ======================================================================================================================
+
+
+def bf16_native():
+    """True where the network's device runs bfloat16 natively: a CUDA GPU from Ampere on, a CPU with AVX512-BF16 or AMX.
+    Elsewhere bf16 is emulated and slower than float32. (Off with a torch that lacks these CPU checks.)"""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_capability()[0] >= 8
+    return any(getattr(torch.cpu, check, lambda: False)() for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
 class GameRecorder:
     """--capture-video: env 0's games as H.264 MP4s of the full-colour screen, one frame per step (the last of its 4
     emulator frames; a game of L steps gives L + 1 frames with its first screen), played at the game's speed, streamed
@@ -405,129 +534,6 @@ class GameRecorder:
             os.remove(self.path)
 
 
-def stack_rollouts(rollouts, pin_memory):
-    """B rollouts -> one batch: [T + 1, B, ...] per step, core_state [2, B, hidden], policy_version [B]."""
-    batch = {}
-    for key, value in rollouts[0].items():
-        stacked = torch.from_numpy(np.stack([rollout[key] for rollout in rollouts], axis=min(1, value.ndim)))
-        batch[key] = stacked.pin_memory() if pin_memory else stacked
-    return batch
-
-
-def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device, recorder=None):
-    """recv -> act -> send on the pool until `stop`; every `batch_size` finished rollouts go to the learner as a batch."""
-    assembler, games = RolloutAssembler(args.num_envs, args.unroll_length), GameTracker(args.num_envs)
-    core_state = tuple(s.to(device) for s in policy.agent.initial_state(args.num_envs))  # each env's state before its next obs
-    rollouts = []
-    envs.async_reset()
-    while not stop.is_set():
-        recv_start = time.time()
-        obs, reward, terminated, truncated, info = envs.recv()
-        env_ids = info["env_id"]
-        act_start = time.time()
-        first, ended = games.update(env_ids, reward, terminated, truncated, info)
-        episodes.extend(ended)
-        if recorder is not None and 0 in env_ids:
-            recorder.step(
-                first[env_ids == 0][0] and games.lengths[0] == 0, [g[1:] for g in ended if g[0] == 0], policy.version
-            )
-        index, first_t = torch.from_numpy(env_ids).to(device), torch.from_numpy(first).to(device)
-        state = tuple(
-            s[index] * ~first_t.unsqueeze(-1) for s in core_state
-        )  # fed to the core on obs: reset where it starts an episode
-        action, logits, next_state, version = policy.act(torch.from_numpy(obs).to(device), first_t, state)
-        for s, next_s in zip(core_state, next_state):
-            s[index] = next_s
-        action = action.cpu().numpy()
-        start = dict(policy_version=np.full(len(env_ids), version))
-        if state:
-            start["core_state"] = torch.stack(state, dim=1).cpu().numpy()  # [n, 2, hidden]
-        # reward: received on arriving at obs, unclipped; terminated / truncated: obs is a final obs (the env resets
-        # on its next step, ignoring that action); logits: the behavior policy on obs.
-        rollouts += assembler.add(
-            env_ids,
-            dict(
-                obs=obs, reward=reward, terminated=terminated, truncated=truncated, action=action, logits=logits.cpu().numpy()
-            ),
-            start,
-        )
-        envs.send(action, env_ids)
-        put_start = time.time()
-        while len(rollouts) >= args.batch_size and not stop.is_set():
-            batch = stack_rollouts(rollouts[: args.batch_size], pin_memory=device.type == "cuda")
-            rollouts = rollouts[args.batch_size :]
-            while not stop.is_set():
-                with contextlib.suppress(queue.Full):
-                    batch_queue.put(batch, timeout=0.5)
-                    break
-        timings["recv"] += act_start - recv_start
-        timings["act"] += put_start - act_start
-        timings["queue"] += time.time() - put_start
-    if recorder is not None:
-        recorder.close()
-
-
-def compute_loss(agent, batch, args):
-    """V-trace actor-critic loss on rollouts [T + 1, B, ...].
-
-    Losses are summed over T and B (as in the IMPALA paper and TorchBeast), not averaged; RMSProp divides the
-    gradient's scale out, so one learning rate serves batches of 160 (the default) and 640 steps (the paper's).
-    """
-    done = batch["terminated"] | batch["truncated"]
-    # After a final obs comes a reset obs; the stored core state is already reset for obs[0].
-    first = torch.cat([torch.zeros_like(done[:1]), done[:-1]])
-    core_state = tuple(batch["core_state"]) if "core_state" in batch else ()
-    logits, values, _ = agent(batch["obs"], first, core_state)  # [T + 1, B, A], [T + 1, B]
-
-    # Move from obs[t] -> reward[t] to action[t] -> reward[t + 1]: step t is (obs[t], action[t], reward[t + 1], obs[t + 1]).
-    actions = batch["action"][:-1]
-    rewards = batch["reward"][1:].clamp(-1, 1) if args.reward_clip else batch["reward"][1:]
-    discounts = (~batch["terminated"][1:]).float() * args.gamma  # a truncated episode bootstraps from its final obs
-    target_log_probs = vtrace.action_log_probs(logits[:-1], actions)
-    behavior_log_probs = vtrace.action_log_probs(batch["logits"][:-1], actions)
-    # On a final obs the env ignores the action and resets: importance weight 0 stops the trace there
-    # (vs = V(final obs)) and gives the step no advantage.
-    log_rhos = (target_log_probs - behavior_log_probs).masked_fill(done[:-1], float("-inf"))
-    vtrace_returns = vtrace.from_importance_weights(
-        log_rhos=log_rhos,
-        discounts=discounts,
-        rewards=rewards,
-        values=values[:-1],
-        bootstrap_value=values[-1],
-        clip_rho_threshold=args.clip_rho_threshold,
-        clip_pg_rho_threshold=args.clip_pg_rho_threshold,
-        lambda_=args.vtrace_lambda,
-    )
-    policy_loss = -(vtrace_returns.pg_advantages * target_log_probs).sum()
-    value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
-    entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
-    loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum()
-    stats = {
-        "losses/policy_loss": policy_loss,
-        "losses/value_loss": value_loss,
-        "losses/entropy": entropy.mean(),
-        "losses/loss": loss,
-        "stats/value": values[:-1].mean(),
-    }
-    for i, features in enumerate(agent.features, 1):  # a unit (a conv's channel) 0 on every step learns nothing from it
-        stats[f"stats/dead_units_{i}"] = (features <= 0).transpose(0, 1).flatten(1).all(1).float().mean()
-    return loss, stats
-
-
-def all_reduce_gradients(agent, stop, world_size):
-    """Averages the gradients over the ranks and ORs their stop flags, in one all_reduce. Returns True if any rank
-    stops: then no rank applies this update, so all of them end with the same parameters and update count."""
-    params = list(agent.parameters())
-    grads = [torch.zeros_like(p) if stop else p.grad for p in params]
-    flat = torch.cat([g.flatten() for g in grads] + [torch.tensor([float(stop)], device=params[0].device)])
-    dist.all_reduce(flat)
-    if flat[-1].item() > 0:
-        return True
-    for p, grad in zip(params, flat[:-1].split([p.numel() for p in params])):
-        p.grad.copy_(grad.view_as(p) / world_size)
-    return False
-
-
 def evaluate(args, policy, device):
     """Plays `eval_episodes` full games on one env, carrying the LSTM state; returns their returns."""
     envs = make_env(args, num_envs=1, batch_size=1, seed=args.seed, num_threads=1)
@@ -544,6 +550,27 @@ def evaluate(args, policy, device):
         action, _, core_state, _ = policy.act(torch.from_numpy(obs).to(device), torch.from_numpy(first).to(device), core_state)
         envs.send(action.cpu().numpy(), info["env_id"])
     return np.array(returns[: args.eval_episodes])
+
+
+class GameTracker:
+    """Full-game returns and lengths per env. With --episodic-life a lost life ends an episode for learning, not the
+    game: EnvPool's info["terminated"] (Atari) says when the game is over."""
+
+    def __init__(self, num_envs):
+        self.after_final = np.ones(num_envs, bool)  # the env's next obs is a reset obs (so is the very first)
+        self.returns, self.lengths = np.zeros(num_envs), np.zeros(num_envs, np.int64)
+
+    def update(self, env_ids, reward, terminated, truncated, info):
+        """Returns first [n] (the obs starts an episode) and [(env_id, return, length)] of the games that just ended."""
+        first = self.after_final[env_ids]
+        self.after_final[env_ids] = terminated | truncated
+        counted = ~first  # the reset step belongs to no episode
+        self.returns[env_ids] += reward * counted
+        self.lengths[env_ids] += counted
+        ended = env_ids[truncated | info.get("terminated", terminated).astype(bool)]
+        games = list(zip(ended.tolist(), self.returns[ended].tolist(), self.lengths[ended].tolist()))
+        self.returns[ended], self.lengths[ended] = 0.0, 0
+        return first, games
 
 
 def check_args(args):
@@ -618,7 +645,8 @@ def check_args(args):
             )
         if os.environ.get("TORCHELASTIC_RUN_ID") == "none" and not (args.run_name or args.resume):
             sys.exit(
-                "error: torchrun --max-restarts needs a run folder that every restart finds: pass --run-name or torchrun --rdzv-id"
+                "error: torchrun --max-restarts needs a run folder that every restart finds: pass --run-name or "
+                "torchrun --rdzv-id"
             )
     for name, path in (("resume", args.resume), ("eval_checkpoint", args.eval_checkpoint)):
         if path is not None and not os.path.isfile(path) and os.environ.get("RANK", "0") == "0":
@@ -638,6 +666,51 @@ def load_checkpoint(path, args):
                 "pass the same flag as in training"
             )
     return checkpoint
+
+
+def check_resumable(path, checkpoint, agent, optimizer=None):
+    """Exits with a one-line error, before anything starts and leaving the file as it is, if the checkpoint's network
+    (or optimizer, when given) is not the one the flags and the code build: an edited network or another optimizer."""
+    saved = {key: tuple(value.shape) for key, value in checkpoint["model"].items()}
+    built = {key: tuple(value.shape) for key, value in agent.state_dict().items()}
+    if saved != built:
+        differ = sorted(set(saved.items()) ^ set(built.items()))[0][0]
+        sys.exit(
+            f"error: checkpoint {path} holds another network ({differ} differs): resume with the network it was "
+            "trained with, or start a new run"
+        )
+    if optimizer is None:
+        return
+    # The state an optimizer keeps per parameter names it (RMSprop: square_avg; Adam: exp_avg, exp_avg_sq): take one
+    # step with zero gradients on a copy to see what this one keeps.
+    probe = copy.deepcopy(agent)
+    probe_optimizer = type(optimizer)(probe.parameters(), **optimizer.defaults)
+    for p in probe.parameters():
+        p.grad = torch.zeros_like(p)
+    probe_optimizer.step()
+    keeps = {key for state in probe_optimizer.state_dict()["state"].values() for key in state}
+    kept = {key for state in checkpoint["optimizer"]["state"].values() for key in state}
+    if kept and kept != keeps:
+        sys.exit(
+            f"error: checkpoint {path} holds the state of another optimizer ({', '.join(sorted(kept))}) than "
+            f"{type(optimizer).__name__}: resume with the optimizer it was trained with, or start a new run"
+        )
+
+
+@dataclass
+class Progress:
+    """The learner's counters, shared by its thread and the main loop."""
+
+    global_step: int = 0
+    num_updates: int = 0
+
+
+def any_rank_stops(stop, device):
+    """Every rank says whether it stops, in one all_reduce; True if any does. The ranks call this before each update,
+    so that all of them make the same updates and end with the same parameters."""
+    flag = torch.tensor([float(stop)], device=device)
+    dist.all_reduce(flag)
+    return flag.item() > 0
 
 
 def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
@@ -694,6 +767,9 @@ if __name__ == "__main__":
 
     spec = envpool.make_spec(args.env_id)
     agent = Agent(spec.observation_space.shape, spec.action_space.n, args.network, args.use_lstm, args.bf16)
+    optimizer = make_optimizer(args, agent)
+    if checkpoint is not None:
+        check_resumable(load_path, checkpoint, agent, None if args.eval_checkpoint else optimizer)
     if world_size > 1:
         if use_cuda:
             torch.cuda.set_device(device)
@@ -718,11 +794,10 @@ if __name__ == "__main__":
         )
         sys.exit(0)
 
-    optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
-    global_step, num_updates = 0, 0
+    progress = Progress()
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
-        global_step, num_updates = checkpoint["global_step"], checkpoint["num_updates"]
+        progress = Progress(checkpoint["global_step"], checkpoint["num_updates"])
     writer = None
     if master_process:
         if args.track:
@@ -740,24 +815,21 @@ if __name__ == "__main__":
                 id=args.wandb_id,
                 resume="allow",
             ).id
-        writer = SummaryWriter(
-            run_dir, purge_step=global_step + 1 if checkpoint else None
-        )  # drop what was logged after the checkpoint
+        # purge_step: drop what was logged after the checkpoint
+        writer = SummaryWriter(run_dir, purge_step=progress.global_step + 1 if checkpoint else None)
         table = "\n".join(f"|{key}|{value}|" for key, value in {**vars(args), "world_size": world_size}.items())
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
-        resumed = f", continuing {load_path} at global_step={global_step}" if restart else ""
-        print(
-            f"{run_dir}: training on {world_size} x {device}, network forward in {str(agent.dtype)[len('torch.') :]}{resumed}",
-            flush=True,
-        )
+        resumed = f", continuing {load_path} at global_step={progress.global_step}" if restart else ""
+        precision = str(agent.dtype)[len("torch.") :]
+        print(f"{run_dir}: training on {world_size} x {device}, network forward in {precision}{resumed}", flush=True)
 
     def log(tag, value):
         if writer is not None:
-            writer.add_scalar(tag, value, global_step)
+            writer.add_scalar(tag, value, progress.global_step)
 
     # TRY NOT TO MODIFY: the env pool and its actor thread
     envs = make_env(args, args.num_envs, args.env_batch_size, args.seed + rank * args.num_envs, args.num_threads)
-    policy = ActingPolicy(agent, version=num_updates)
+    policy = ActingPolicy(agent, version=progress.num_updates)
     batch_queue = queue.Queue(maxsize=args.queue_size)
     episodes = collections.deque()  # (return, length) of finished games
     timings = collections.Counter()  # actor seconds in recv, inference (+ assembly) and waiting on the full queue
@@ -766,73 +838,50 @@ if __name__ == "__main__":
 
     def actor_thread():
         try:
-            recorder = (
-                GameRecorder(
-                    lambda: envs.render(env_ids=[0])[0], os.path.join("videos", args.run_name), args.video_interval * 60
-                )
-                if args.capture_video and master_process
-                else None
-            )
+            recorder = None
+            if args.capture_video and master_process:
+                screen = lambda: envs.render(env_ids=[0])[0]  # noqa: E731
+                recorder = GameRecorder(screen, os.path.join("videos", args.run_name), args.video_interval * 60)
             actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device, recorder)
         except Exception as e:
             errors.append(f"the actor loop failed: {e!r}")
             traceback.print_exc()
             stop.set()
 
-    # ALGO LOGIC: the learner
+    # TRY NOT TO MODIFY: the learner thread; the update itself is `learn`
     def learner_thread():
-        global global_step, num_updates
         try:
-            # Every rank does the same updates: the step count is the same on all of them, and a stop is agreed on.
-            while global_step < args.total_timesteps:
+            while progress.global_step < args.total_timesteps:
                 wait_start, batch = time.time(), None
                 while batch is None and not stop.is_set():  # a batch on the learner's device; None once `stop` is set
                     with contextlib.suppress(queue.Empty):
                         batch = {
                             key: value.to(device, non_blocking=True) for key, value in batch_queue.get(timeout=0.5).items()
                         }
+                if any_rank_stops(stop.is_set(), device) if world_size > 1 else stop.is_set():
+                    break
                 with learn_lock:
                     update_start = time.time()
-                    lr = args.learning_rate * (1.0 - global_step / args.total_timesteps if args.anneal_lr else 1.0)
-                    optimizer.param_groups[0]["lr"] = lr
-                    if batch is not None:
-                        loss, stats = compute_loss(agent, batch, args)
-                        optimizer.zero_grad()
-                        loss.backward()
-                    stopping = all_reduce_gradients(agent, stop.is_set(), world_size) if world_size > 1 else stop.is_set()
-                    if stopping:
-                        break
-                    grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
-                    if not torch.isfinite(grad_norm):  # after the all_reduce: every rank sees it and stops here
-                        bad = (
-                            ", ".join(key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value))
-                            or "the gradient"
-                        )
+                    try:
+                        stats = learn(agent, optimizer, batch, args, progress.global_step, world_size)
+                    except FloatingPointError as e:  # raised on every rank alike: all of them stop here
                         errors.append(
-                            f"update {num_updates + 1} at global_step={global_step} is not finite ({bad}): not applied, "
-                            "the checkpoint keeps the parameters before it; lower --learning-rate or check the rewards"
+                            f"update {progress.num_updates + 1} at global_step={progress.global_step} is {e}: "
+                            "not applied, the checkpoint keeps the parameters before it; lower --learning-rate "
+                            "or check the rewards"
                         )
                         stop.set()
                         break
-                    optimizer.step()
-                    policy.update(agent, num_updates + 1)
-                    policy_lag = num_updates - batch["policy_version"].float().mean().item()
-                    num_updates += 1
-                    global_step += args.unroll_length * args.batch_size * world_size
-                    stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": grad_norm > args.max_grad_norm})
-                    stats = dict(zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()))  # one device sync
-                    stats.update(
-                        {
-                            "charts/learning_rate": lr,
-                            "stats/policy_lag": policy_lag,
-                            "stats/batch_wait_time": update_start - wait_start,
-                            "stats/update_time": time.time() - update_start,
-                        }
-                    )
+                    policy.update(agent, progress.num_updates + 1)
+                    stats["stats/policy_lag"] = progress.num_updates - batch["policy_version"].float().mean().item()
+                    progress.num_updates += 1
+                    progress.global_step += args.unroll_length * args.batch_size * world_size
+                    stats["stats/batch_wait_time"] = update_start - wait_start
+                    stats["stats/update_time"] = time.time() - update_start
                     for tag, value in stats.items():
                         log(tag, value)
             if world_size > 1:  # a cheap end-of-run check that the ranks stayed in step
-                flat = nn.utils.parameters_to_vector(agent.parameters()).detach()
+                flat = torch.cat([p.detach().flatten() for p in agent.parameters()])  # channels-last weights: no view
                 low, high = flat.clone(), flat.clone()
                 dist.all_reduce(low, op=dist.ReduceOp.MIN)
                 dist.all_reduce(high, op=dist.ReduceOp.MAX)
@@ -848,7 +897,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     actor, learner = threading.Thread(target=actor_thread), threading.Thread(target=learner_thread)
     start_time = last_log = last_checkpoint = last_progress = time.time()
-    start_step = last_progress_step = global_step
+    start_step = last_progress_step = progress.global_step
     recent_returns = collections.deque(maxlen=20)
     exit_code = 0
     try:
@@ -864,13 +913,13 @@ if __name__ == "__main__":
             if errors:
                 raise RuntimeError(errors[0])
             now = time.time()
-            if global_step != last_progress_step:
-                last_progress, last_progress_step = now, global_step
+            if progress.global_step != last_progress_step:
+                last_progress, last_progress_step = now, progress.global_step
             elif now - last_progress > args.stall_timeout:
                 side = "the learner (a batch waits for it)" if batch_queue.qsize() else "the actors (no batch came)"
                 raise RuntimeError(f"no update for {now - last_progress:.0f} s (--stall-timeout): {side} stalled")
             if now - last_log >= 5.0:
-                sps = int((global_step - start_step) / (now - start_time))
+                sps = int((progress.global_step - start_step) / (now - start_time))
                 log("charts/SPS", sps)
                 log("stats/queue_size", batch_queue.qsize())
                 actor_time = sum(timings.values()) or 1.0
@@ -880,21 +929,21 @@ if __name__ == "__main__":
                 if master_process:
                     mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
                     print(
-                        f"global_step={global_step} SPS={sps} updates={num_updates} "
+                        f"global_step={progress.global_step} SPS={sps} updates={progress.num_updates} "
                         f"episodic_return(last {len(recent_returns)})={mean_return}",
                         flush=True,
                     )
                 last_log = now
             if master_process and now - last_checkpoint >= args.checkpoint_interval:
                 with learn_lock:
-                    save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
+                    save_checkpoint(checkpoint_path, agent, optimizer, progress.global_step, progress.num_updates, args)
                 last_checkpoint = now
         if errors:
             raise RuntimeError(errors[0])
         if world_size > 1 and params_in_sync != [True]:
-            raise RuntimeError(f"the parameters differ between ranks at update {num_updates}")
+            raise RuntimeError(f"the parameters differ between ranks at update {progress.num_updates}")
     except KeyboardInterrupt:
-        print(f"interrupted at global_step={global_step}", flush=True)
+        print(f"interrupted at global_step={progress.global_step}", flush=True)
     except RuntimeError as e:
         print(f"error: {e}; stopping the run", file=sys.stderr, flush=True)
         exit_code = 1
@@ -906,11 +955,11 @@ if __name__ == "__main__":
         actor.join()
         envs.close()
         if master_process:
-            saved = save_checkpoint(checkpoint_path, agent, optimizer, global_step, num_updates, args)
+            saved = save_checkpoint(checkpoint_path, agent, optimizer, progress.global_step, progress.num_updates, args)
             exit_code = exit_code if saved else 1
             in_sync = f", parameters identical on all {world_size} ranks" if params_in_sync == [True] else ""
             print(
-                f"{'saved' if saved else 'did not save'} {checkpoint_path} at global_step={global_step}{in_sync} "
+                f"{'saved' if saved else 'did not save'} {checkpoint_path} at global_step={progress.global_step}{in_sync} "
                 f"(mean of the last {len(recent_returns)} episodic returns: "
                 f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f})",
                 flush=True,

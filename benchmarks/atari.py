@@ -22,6 +22,7 @@ import time
 
 import envpool
 import numpy as np
+
 import plot_curves  # this folder's: it draws the curves and reads the runs' events
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -119,7 +119,8 @@ def duration(hours):
 
 def markdown(table, window):
     lines = [
-        f"| env | script | seed | frames | wall time | episodes | mean of last {window} | target | frames to target | time to target |",
+        f"| env | script | seed | frames | wall time | episodes | mean of last {window} | target | frames to target "
+        "| time to target |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in table:

@@ -137,7 +137,7 @@ def breakout_batch(agent, T=20, B=8, seed=0):
         truncated=torch.zeros(T + 1, B, dtype=torch.bool),
     )
     with torch.no_grad():
-        logits, _, _ = agent(batch["obs"], torch.zeros(T + 1, B, dtype=torch.bool), agent.initial_state(B))
+        logits = agent(batch["obs"], torch.zeros(T + 1, B, dtype=torch.bool), agent.initial_state(B))["logits"]
     batch["logits"] = logits + 0.3 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))
     if agent.lstm is not None:
         batch["core_state"] = 0.1 * torch.randn(2, B, agent.lstm.hidden_size, generator=torch.Generator().manual_seed(seed))

@@ -16,7 +16,7 @@ from helpers import ROOT, error_line
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "atari.py")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import atari  # by path: benchmarks/ is not a package
+import atari  # noqa: E402  (by path: benchmarks/ is not a package)
 
 # A run of 200 steps is 10 updates of 2 rollouts x 10 steps from a pool of 4 envs: startup dominates its few seconds.
 TINY = [

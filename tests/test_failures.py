@@ -8,7 +8,8 @@ import torch
 
 import impala_mono
 import impala_poly
-from helpers import CARTPOLE_FLAGS as FLAGS, error_line, run, scalars, train
+from helpers import CARTPOLE_FLAGS as FLAGS
+from helpers import error_line, run, scalars, train
 
 
 @pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
@@ -84,3 +85,51 @@ def test_stalled_actors_stop_the_run(tmp_path, script):
         timeout=60,
     )
     assert error_line(result).startswith("error: no update for 2 s (--stall-timeout): the actors (no batch came) stalled")
+
+
+def adam_state(path):
+    """The checkpoint at `path` with the state of an Adam optimizer (after one step) in place of RMSprop's."""
+    checkpoint = torch.load(path, weights_only=True)
+    agent = impala_poly.Agent((4,), 2)
+    agent.load_state_dict(checkpoint["model"])
+    optimizer = torch.optim.Adam(agent.parameters())
+    for p in agent.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    checkpoint["optimizer"] = optimizer.state_dict()
+    return checkpoint
+
+
+def wider_network(path):
+    """The checkpoint at `path` with a policy network whose first layer is wider, as an edited Agent would save."""
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["model"]["actor.0.weight"] = torch.zeros(300, 4)
+    return checkpoint
+
+
+@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (adam_state, "holds the state of another optimizer (exp_avg, exp_avg_sq, step) than RMSprop: resume with the "
+                     "optimizer it was trained with, or start a new run"),
+        (wider_network, "holds another network (actor.0.weight differs): resume with the network it was trained with, or "
+                        "start a new run"),
+    ],
+    ids=["optimizer", "network"],
+)  # fmt: skip
+def test_resume_refuses_another_optimizer_or_network(tmp_path, script, edit, message):
+    """A checkpoint written by other code (another optimizer, an edited network) is refused before anything starts:
+    one error line, exit 1, the file left byte for byte as it was and nothing logged."""
+    run_dir = train(script, "CartPole-v1", 40, FLAGS[script], tmp_path)
+    path = os.path.join(run_dir, "checkpoint.pt")
+    torch.save(edit(path), path)
+    with open(path, "rb") as f:
+        before = f.read()
+    events = sorted(os.listdir(run_dir))
+    result = run(script, "--env-id", "CartPole-v1", "--total-timesteps", 80, *FLAGS[script], "--resume", path, cwd=tmp_path)
+    assert result.returncode == 1
+    assert error_line(result) == f"error: checkpoint {path} {message}"
+    with open(path, "rb") as f:
+        assert f.read() == before
+    assert sorted(os.listdir(run_dir)) == events

@@ -106,7 +106,7 @@ def outputs_of(agent):
     recorded = {}
 
     def hook(module, inputs, output):
-        logits, values = output[0], output[1]
+        logits, values = output["logits"], output["values"]
         logits.retain_grad()
         values.retain_grad()
         recorded.update(logits=logits, values=values)

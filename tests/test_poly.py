@@ -172,7 +172,7 @@ def test_actor_loop_batches(use_lstm):
         first = torch.cat([torch.zeros_like(done[:1]), done[:-1]])  # as compute_loss sees it
         core_state = tuple(batch["core_state"]) if use_lstm else ()
         with torch.no_grad():
-            logits, _, _ = agent(batch["obs"], first, core_state)
+            logits = agent(batch["obs"], first, core_state)["logits"]
         torch.testing.assert_close(logits, batch["logits"], atol=1e-5, rtol=1e-5)
     assert resets >= 5
     if use_lstm:  # the carried state is not always the initial one
@@ -263,6 +263,15 @@ def test_torchrun_two_processes(tmp_path):
     assert stdout.splitlines()[0].endswith(": training on 2 x cpu, network forward in float32"), stdout  # an MLP
     (run_dir,) = run_dirs(tmp_path)
     check_run(run_dir, updates=3, steps_per_update=10 * 2 * 2)  # global_step counts the steps of both ranks
+
+
+def test_torchrun_atari(tmp_path):
+    """Two ranks on Breakout-v5: the image network's channels-last weights go through the gradient average and the
+    end-of-run check that the ranks' parameters are identical."""
+    stdout = finished(torchrun(tmp_path, ["--env-id", "Breakout-v5", *SMALL, "--total-timesteps", 80]))
+    assert "parameters identical on all 2 ranks" in stdout, stdout
+    (run_dir,) = run_dirs(tmp_path)
+    check_run(run_dir, updates=2, steps_per_update=10 * 2 * 2)
 
 
 def children(pid):

@@ -12,7 +12,8 @@ import pytest
 import torch
 from wandb.proto import wandb_internal_pb2
 
-from helpers import CARTPOLE_FLAGS as CARTPOLE, error_line, run, scalars, train
+from helpers import CARTPOLE_FLAGS as CARTPOLE
+from helpers import error_line, run, scalars, train
 
 SCRIPTS = ["impala_mono.py", "impala_poly.py"]
 # Two Pong envs stepped in turn, 20 steps per update.
