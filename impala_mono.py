@@ -444,6 +444,8 @@ def compute_loss(agent, batch, args):
 
 
 def make_optimizer(args, agent):
+    """The paper's RMSProp. Another optimizer goes here (in both scripts); --resume refuses a checkpoint written with
+    another one."""
     return torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
 
 

@@ -293,52 +293,6 @@ class ActingPolicy:
             self.version = version
 
 
-class RolloutAssembler:
-    """Cuts each env's stream of steps into [T + 1] rollouts; EnvPool's async batches come in any env order.
-
-    Each env fills its own row, so a rollout never mixes envs; the last step of one rollout is the first of the next.
-    Per-step values (obs, reward, ..., logits) are written at the env's current step; per-rollout values
-    (policy_version, core_state) are kept from the step its rollout starts at.
-    """
-
-    def __init__(self, num_envs, unroll_length):
-        self.num_envs, self.T = num_envs, unroll_length
-        self.t = np.zeros(num_envs, np.int64)  # each env's current step in its rollout
-        self.steps, self.starts = None, None  # {key: [num_envs, T + 1, ...]}, {key: [num_envs, ...]}
-
-    def add(self, env_ids, step, start):
-        """step, start: {key: [n, ...] arrays} for the distinct envs `env_ids`. Returns the rollouts this step
-        finished: a list of {key: [T + 1, ...] per step, [...] per rollout}."""
-        if self.steps is None:
-            self.steps = {k: np.zeros((self.num_envs, self.T + 1, *v.shape[1:]), v.dtype) for k, v in step.items()}
-            self.starts = {k: np.zeros((self.num_envs, *v.shape[1:]), v.dtype) for k, v in start.items()}
-        T, t = self.T, self.t[env_ids]
-        for key, value in step.items():
-            self.steps[key][env_ids, t] = value
-        rollouts = []
-        if t.max() == T:  # one copy per key for all the envs that finished, then a view of it per rollout
-            finished = env_ids[t == T]
-            done = {key: buffer[finished] for key, buffer in (*self.steps.items(), *self.starts.items())}
-            rollouts = [{key: value[i] for key, value in done.items()} for i in range(len(finished))]
-            for buffer in self.steps.values():
-                buffer[finished, 0] = buffer[finished, T]
-            t = np.where(t == T, 0, t)  # their step T is the next rollout's step 0
-        starting = t == 0
-        for key, value in start.items():
-            self.starts[key][env_ids[starting]] = value[starting]
-        self.t[env_ids] = t + 1
-        return rollouts
-
-
-def stack_rollouts(rollouts, pin_memory):
-    """B rollouts -> one batch: [T + 1, B, ...] per step, core_state [2, B, hidden], policy_version [B]."""
-    batch = {}
-    for key, value in rollouts[0].items():
-        stacked = torch.from_numpy(np.stack([rollout[key] for rollout in rollouts], axis=min(1, value.ndim)))
-        batch[key] = stacked.pin_memory() if pin_memory else stacked
-    return batch
-
-
 def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device, recorder=None):
     """recv -> act -> send on the pool until `stop`; every `batch_size` finished rollouts go to the learner as a batch."""
     assembler, games = RolloutAssembler(args.num_envs, args.unroll_length), GameTracker(args.num_envs)
@@ -436,6 +390,8 @@ def compute_loss(agent, batch, args):
 
 
 def make_optimizer(args, agent):
+    """The paper's RMSProp. Another optimizer goes here (in both scripts); --resume refuses a checkpoint written with
+    another one."""
     return torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
 
 
@@ -571,6 +527,52 @@ class GameTracker:
         games = list(zip(ended.tolist(), self.returns[ended].tolist(), self.lengths[ended].tolist()))
         self.returns[ended], self.lengths[ended] = 0.0, 0
         return first, games
+
+
+class RolloutAssembler:
+    """Cuts each env's stream of steps into [T + 1] rollouts; EnvPool's async batches come in any env order.
+
+    Each env fills its own row, so a rollout never mixes envs; the last step of one rollout is the first of the next.
+    Per-step values (obs, reward, ..., logits) are written at the env's current step; per-rollout values
+    (policy_version, core_state) are kept from the step its rollout starts at.
+    """
+
+    def __init__(self, num_envs, unroll_length):
+        self.num_envs, self.T = num_envs, unroll_length
+        self.t = np.zeros(num_envs, np.int64)  # each env's current step in its rollout
+        self.steps, self.starts = None, None  # {key: [num_envs, T + 1, ...]}, {key: [num_envs, ...]}
+
+    def add(self, env_ids, step, start):
+        """step, start: {key: [n, ...] arrays} for the distinct envs `env_ids`. Returns the rollouts this step
+        finished: a list of {key: [T + 1, ...] per step, [...] per rollout}."""
+        if self.steps is None:
+            self.steps = {k: np.zeros((self.num_envs, self.T + 1, *v.shape[1:]), v.dtype) for k, v in step.items()}
+            self.starts = {k: np.zeros((self.num_envs, *v.shape[1:]), v.dtype) for k, v in start.items()}
+        T, t = self.T, self.t[env_ids]
+        for key, value in step.items():
+            self.steps[key][env_ids, t] = value
+        rollouts = []
+        if t.max() == T:  # one copy per key for all the envs that finished, then a view of it per rollout
+            finished = env_ids[t == T]
+            done = {key: buffer[finished] for key, buffer in (*self.steps.items(), *self.starts.items())}
+            rollouts = [{key: value[i] for key, value in done.items()} for i in range(len(finished))]
+            for buffer in self.steps.values():
+                buffer[finished, 0] = buffer[finished, T]
+            t = np.where(t == T, 0, t)  # their step T is the next rollout's step 0
+        starting = t == 0
+        for key, value in start.items():
+            self.starts[key][env_ids[starting]] = value[starting]
+        self.t[env_ids] = t + 1
+        return rollouts
+
+
+def stack_rollouts(rollouts, pin_memory):
+    """B rollouts -> one batch: [T + 1, B, ...] per step, core_state [2, B, hidden], policy_version [B]."""
+    batch = {}
+    for key, value in rollouts[0].items():
+        stacked = torch.from_numpy(np.stack([rollout[key] for rollout in rollouts], axis=min(1, value.ndim)))
+        batch[key] = stacked.pin_memory() if pin_memory else stacked
+    return batch
 
 
 def check_args(args):
