@@ -660,7 +660,7 @@ def check_args(args):
     if args.capture_video and not is_atari(args.env_id):
         sys.exit(f"error: --capture-video records Atari games; {args.env_id} has no screen to record")
     args.bf16 = args.bf16 and is_atari(args.env_id)  # the classic-control MLPs ran slower in bf16
-    if args.num_torch_threads is None:  # on 2 cores, Breakout ran 1.13x faster with 1 than 2 in bf16, 1.06x slower in float32
+    if args.num_torch_threads is None:  # bf16's cheaper network wants fewer threads (docs/experiments.md, threads)
         args.num_torch_threads = 1 if args.bf16 else 2
     num_envs = args.num_actors * args.num_envs_per_actor
     if args.num_buffers is None:

@@ -633,9 +633,8 @@ def check_args(args):
     if args.capture_video and not is_atari(args.env_id):
         sys.exit(f"error: --capture-video records Atari games; {args.env_id} has no screen to record")
     args.bf16 = args.bf16 and is_atari(args.env_id)  # the classic-control MLPs ran slower in bf16
-    # EnvPool and torch share the cores. On 2 cores, Breakout in float32 ran 1.2x faster with 2 + 2 threads than with
-    # 2 + 1; in bf16 the network is cheaper, and 2 + 1 ran 1.16x faster than 2 + 2. Classic control gets 1 + 1: one
-    # thread steps ~400k CartPole steps/s, and on 2 cores 1 + 1 ran 1.1x faster than 2 + 2 (fewer threads competing).
+    # EnvPool and torch share the cores: Atari gives EnvPool all of them and torch as many (half with bf16, where the
+    # network is cheaper); classic control, whose steps are cheap, one of each (docs/experiments.md, threads).
     cores = max(1, os.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if is_atari(args.env_id) else 1
     args.num_threads = args.num_threads or cores
     args.num_torch_threads = args.num_torch_threads or (max(1, cores // 2) if args.bf16 else cores)
