@@ -773,9 +773,9 @@ if __name__ == "__main__":
     obs_space, num_actions = env.observation_space, env.action_space.n
     env.close()
     agent = Agent(obs_space.shape, num_actions, args.network, args.use_lstm, args.bf16)
-    optimizer = make_optimizer(args, agent)
     if checkpoint is not None:
-        check_resumable(args.resume or args.eval_checkpoint, checkpoint, agent, None if args.eval_checkpoint else optimizer)
+        optimizer = None if args.eval_checkpoint else make_optimizer(args, agent)
+        check_resumable(args.resume or args.eval_checkpoint, checkpoint, agent, optimizer)
         agent.load_state_dict(checkpoint["model"])
     # The CPU copy the actors act with, in shared memory. With bf16 it holds bf16 parameters: autocast would otherwise
     # cast the weights anew at every step.
@@ -790,6 +790,7 @@ if __name__ == "__main__":
         sys.exit(0)
 
     agent.to(device)
+    optimizer = make_optimizer(args, agent)  # on the parameters' device
     progress = Progress()
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])

@@ -768,9 +768,8 @@ if __name__ == "__main__":
 
     spec = envpool.make_spec(args.env_id)
     agent = Agent(spec.observation_space.shape, spec.action_space.n, args.network, args.use_lstm, args.bf16)
-    optimizer = make_optimizer(args, agent)
     if checkpoint is not None:
-        check_resumable(load_path, checkpoint, agent, None if args.eval_checkpoint else optimizer)
+        check_resumable(load_path, checkpoint, agent, None if args.eval_checkpoint else make_optimizer(args, agent))
     if world_size > 1:
         if use_cuda:
             torch.cuda.set_device(device)
@@ -795,6 +794,7 @@ if __name__ == "__main__":
         )
         sys.exit(0)
 
+    optimizer = make_optimizer(args, agent)  # on the parameters' device
     progress = Progress()
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
