@@ -107,7 +107,7 @@ def wider_network(path):
     return checkpoint
 
 
-@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
+@pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -121,15 +121,21 @@ def wider_network(path):
 def test_resume_refuses_another_optimizer_or_network(tmp_path, script, edit, message):
     """A checkpoint written by other code (another optimizer, an edited network) is refused before anything starts:
     one error line, exit 1, the file left byte for byte as it was and nothing logged."""
-    run_dir = train(script, "CartPole-v1", 40, FLAGS[script], tmp_path)
-    path = os.path.join(run_dir, "checkpoint.pt")
+    agent = script.Agent((4,), 2)
+    optimizer = script.make_optimizer(script.Args(env_id="CartPole-v1"), agent)
+    for p in agent.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # an RMSprop state to replace
+    path = str(tmp_path / "runs" / "run" / "checkpoint.pt")
+    os.makedirs(os.path.dirname(path))
+    assert script.save_checkpoint(path, agent, optimizer, 40, 1, script.Args(env_id="CartPole-v1"))
     torch.save(edit(path), path)
     with open(path, "rb") as f:
         before = f.read()
-    events = sorted(os.listdir(run_dir))
-    result = run(script, "--env-id", "CartPole-v1", "--total-timesteps", 80, *FLAGS[script], "--resume", path, cwd=tmp_path)
+    name = f"{script.__name__}.py"
+    result = run(name, "--env-id", "CartPole-v1", "--total-timesteps", 80, *FLAGS[name], "--resume", path, cwd=tmp_path)
     assert result.returncode == 1
     assert error_line(result) == f"error: checkpoint {path} {message}"
     with open(path, "rb") as f:
         assert f.read() == before
-    assert sorted(os.listdir(run_dir)) == events
+    assert os.listdir(os.path.dirname(path)) == ["checkpoint.pt"]  # no events file: nothing started

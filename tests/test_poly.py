@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from helpers import (
+    DEFAULT_PRECISION,
     ROOT,
     UPDATES_THEN_EVAL_CASES,
     check_run,
@@ -258,20 +259,13 @@ def torchrun(tmp_path, flags, max_restarts=0, tee=False):
 
 
 def test_torchrun_two_processes(tmp_path):
-    stdout = finished(torchrun(tmp_path, TORCHRUN_FLAGS))
-    assert "parameters identical on all 2 ranks" in stdout, stdout
-    assert stdout.splitlines()[0].endswith(": training on 2 x cpu, network forward in float32"), stdout  # an MLP
-    (run_dir,) = run_dirs(tmp_path)
-    check_run(run_dir, updates=3, steps_per_update=10 * 2 * 2)  # global_step counts the steps of both ranks
-
-
-def test_torchrun_atari(tmp_path):
     """Two ranks on Breakout-v5: the image network's channels-last weights go through the gradient average and the
-    end-of-run check that the ranks' parameters are identical."""
-    stdout = finished(torchrun(tmp_path, ["--env-id", "Breakout-v5", *SMALL, "--total-timesteps", 80]))
+    end-of-run check that the ranks' parameters are identical; global_step counts the steps of both ranks."""
+    stdout = finished(torchrun(tmp_path, ["--env-id", "Breakout-v5", *SMALL, "--total-timesteps", 120]))
     assert "parameters identical on all 2 ranks" in stdout, stdout
+    assert stdout.splitlines()[0].endswith(f": training on 2 x cpu, network forward in {DEFAULT_PRECISION}"), stdout
     (run_dir,) = run_dirs(tmp_path)
-    check_run(run_dir, updates=2, steps_per_update=10 * 2 * 2)
+    check_run(run_dir, updates=3, steps_per_update=10 * 2 * 2)
 
 
 def children(pid):
