@@ -859,7 +859,8 @@ if __name__ == "__main__":
                         batch = {
                             key: value.to(device, non_blocking=True) for key, value in batch_queue.get(timeout=0.5).items()
                         }
-                if any_rank_stops(stop.is_set(), device) if world_size > 1 else stop.is_set():
+                stopping = any_rank_stops(stop.is_set(), device) if world_size > 1 else stop.is_set()
+                if stopping:
                     break
                 with learn_lock:
                     update_start = time.time()
