@@ -305,6 +305,10 @@ def report(args, script):
     frames = plot_curves.count(args.total_timesteps * plot_curves.frames_per_step(args.env_ids[0]))
     name = os.path.splitext(os.path.basename(script))[0]
     scripts = [name] + sorted({s for _, s, _ in runs} - {name})
+    # The table holds every recorded run, so that a runner started on a few games keeps the others' rows; the list of
+    # unfinished runs covers only the games and seeds asked for.
+    recorded = {e for e, _, _ in runs} - set(args.env_ids)
+    env_ids = args.env_ids + [g for g in GAMES if g in recorded] + sorted(recorded - set(GAMES))
     lines = [
         f"# Atari benchmark: {args.total_timesteps:,} steps ({frames} frames) per run",
         "",
@@ -318,13 +322,15 @@ def report(args, script):
         "|---|---|---:|---:|---:|---:|---|",
     ]
     unfinished, hns_by_seed = [], {}  # hns_by_seed: {script: {seed: {game: HNS}}}
-    for env_id in args.env_ids:
+    for env_id in env_ids:
         for script_name in scripts:
             finished, scores, hns_values, notes = [], [], [], []
-            for seed in args.seeds:
+            seeds = sorted(set(args.seeds) | {seed for e, s, seed in runs if (e, s) == (env_id, script_name)})
+            for seed in seeds:
                 run = runs.get((env_id, script_name, seed))
                 if run is None or int(run["global_step"]) < args.total_timesteps:
-                    if run is not None or script_name == name:  # other scripts: only their recorded runs
+                    asked = env_id in args.env_ids and seed in args.seeds
+                    if asked and (run is not None or script_name == name):  # other scripts: only their recorded runs
                         unfinished.append((env_id, script_name, seed, run))
                     continue
                 finished.append(run)
@@ -353,7 +359,7 @@ def report(args, script):
     lines += ["", f"## References (other budgets: ours is {frames} frames per run)", ""] + [f"- {r}" for r in REFERENCES]
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    rows = [r for r in curves if r["env_id"] in args.env_ids and int(r["global_step"]) <= args.total_timesteps]  # as scored
+    rows = [r for r in curves if r["env_id"] in env_ids and int(r["global_step"]) <= args.total_timesteps]  # as scored
     return [os.path.join(args.out, "results.md")] + (plot_curves.plot(rows, WINDOW, args.out) if rows else [])
 
 

@@ -255,9 +255,33 @@ def test_table_by_hand(tmp_path):
         f"{(p1 + p2) / 2:.3f} ± {abs(p1 - p2) / math.sqrt(2):.3f}"
     )
     assert line in table
-    assert sorted(os.listdir(tmp_path / "out")) == sorted(
-        ["curves.csv", "runs.csv", "results.md", "Breakout-v5.png"] + [f"{name}-v5.png" for name in bases]
+    pngs = sorted(["curves.csv", "runs.csv", "results.md", "Breakout-v5.png"] + [f"{name}-v5.png" for name in bases])
+    assert sorted(os.listdir(tmp_path / "out")) == pngs
+
+    # Asked for one game and seed (a runner started on a few games), the report keeps every recorded run's row and the
+    # Atari-5 estimate; only the list of unfinished runs narrows to what was asked.
+    result = bench(
+        "--report-only",
+        "--out",
+        "out",
+        "--runs-dir",
+        "nowhere",
+        "--total-timesteps",
+        budget,
+        "--seeds",
+        1,
+        "--env-ids",
+        "Qbert-v5",
+        cwd=tmp_path,
     )
+    assert result.returncode == 0, result.stderr[-3000:]
+    narrow = (tmp_path / "out" / "results.md").read_text().splitlines()
+    rows = sorted(row for row in table if row.startswith("| ") and "-v5 |" in row)
+    assert len(rows) == 7
+    assert sorted(row for row in narrow if row.startswith("| ") and "-v5 |" in row) == rows
+    assert line in narrow
+    assert not any(row.startswith("Not finished") for row in narrow)
+    assert sorted(os.listdir(tmp_path / "out")) == pngs
 
 
 def test_hns_and_atari5():
