@@ -688,6 +688,38 @@ def load_checkpoint(path, args):
                 f"error: checkpoint {path} is for --{name.replace('_', '-')} {trained[name]}, not {getattr(args, name)}: "
                 "pass the same flag as in training"
             )
+    if args.eval_checkpoint is None:  # resuming: the run goes on under the flags given, so say which ones changed
+        learning_flags = (
+            "total_timesteps",
+            "unroll_length",
+            "batch_size",
+            "learning_rate",
+            "anneal_lr",
+            "rmsprop_alpha",
+            "rmsprop_eps",
+            "gamma",
+            "ent_coef",
+            "vf_coef",
+            "max_grad_norm",
+            "reward_clip",
+            "episodic_life",
+            "repeat_action_probability",
+            "clip_rho_threshold",
+            "clip_pg_rho_threshold",
+            "vtrace_lambda",
+            "bf16",
+        )
+        changed = [
+            f"--{name.replace('_', '-')} {getattr(args, name)} (trained with {trained[name]})"
+            for name in learning_flags
+            if name in trained and trained[name] != getattr(args, name)
+        ]
+        if changed:
+            print(
+                f"warning: resuming {path} under other flags than it was trained with: {', '.join(changed)}; pass "
+                "the training values to continue the same run (the learning rate anneals to 0 at --total-timesteps)",
+                file=sys.stderr,
+            )
     return checkpoint
 
 
@@ -850,6 +882,8 @@ if __name__ == "__main__":
                 if batch is None:
                     return
                 with learn_lock:
+                    if stop.is_set() or progress.global_step >= args.total_timesteps:
+                        return  # another learner thread's update ended the run while this one waited
                     update_start = time.time()
                     try:
                         stats = learn(agent, optimizer, batch, args, progress.global_step)

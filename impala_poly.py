@@ -610,9 +610,11 @@ def check_args(args):
             f"error: --env-batch-size {args.env_batch_size} is larger than --num-envs {args.num_envs}: "
             "each recv() returns at most all the envs"
         )
-    # Each env's [T + 1] rollout, plus the batches in the queue, being stacked and being learned from, per local rank.
+    # Each env's [T + 1] rollout, the rollouts one recv() finished waiting to be batched, and the batches in the queue,
+    # being stacked and being learned from, per local rank.
     obs_bytes = int(np.prod(spec.observation_space.shape)) * spec.observation_space.dtype.itemsize
-    needed = (args.num_envs + (args.queue_size + 2) * args.batch_size) * (args.unroll_length + 1) * obs_bytes
+    rollouts = args.num_envs + args.env_batch_size + (args.queue_size + 2) * args.batch_size
+    needed = rollouts * (args.unroll_length + 1) * obs_bytes
     needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     try:  # bytes of memory available for new allocations (Linux's MemAvailable); None where unknown
         with open("/proc/meminfo") as f:
@@ -665,6 +667,38 @@ def load_checkpoint(path, args):
             sys.exit(
                 f"error: checkpoint {path} is for --{name.replace('_', '-')} {trained[name]}, not {getattr(args, name)}: "
                 "pass the same flag as in training"
+            )
+    if args.eval_checkpoint is None:  # resuming: the run goes on under the flags given, so say which ones changed
+        learning_flags = (
+            "total_timesteps",
+            "unroll_length",
+            "batch_size",
+            "learning_rate",
+            "anneal_lr",
+            "rmsprop_alpha",
+            "rmsprop_eps",
+            "gamma",
+            "ent_coef",
+            "vf_coef",
+            "max_grad_norm",
+            "reward_clip",
+            "episodic_life",
+            "repeat_action_probability",
+            "clip_rho_threshold",
+            "clip_pg_rho_threshold",
+            "vtrace_lambda",
+            "bf16",
+        )
+        changed = [
+            f"--{name.replace('_', '-')} {getattr(args, name)} (trained with {trained[name]})"
+            for name in learning_flags
+            if name in trained and trained[name] != getattr(args, name)
+        ]
+        if changed:
+            print(
+                f"warning: resuming {path} under other flags than it was trained with: {', '.join(changed)}; pass "
+                "the training values to continue the same run (the learning rate anneals to 0 at --total-timesteps)",
+                file=sys.stderr,
             )
     return checkpoint
 
@@ -924,10 +958,11 @@ if __name__ == "__main__":
                 sps = int((progress.global_step - start_step) / (now - start_time))
                 log("charts/SPS", sps)
                 log("stats/queue_size", batch_queue.qsize())
-                actor_time = sum(timings.values()) or 1.0
-                for key, seconds in timings.items():
-                    log(f"stats/actor_{key}_fraction", seconds / actor_time)
+                actor_seconds = dict(timings)  # a copy in one step: the actor thread adds to timings meanwhile
                 timings.clear()
+                actor_time = sum(actor_seconds.values()) or 1.0
+                for key, seconds in actor_seconds.items():
+                    log(f"stats/actor_{key}_fraction", seconds / actor_time)
                 if master_process:
                     mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
                     print(

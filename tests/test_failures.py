@@ -139,3 +139,26 @@ def test_resume_refuses_another_optimizer_or_network(tmp_path, script, edit, mes
     with open(path, "rb") as f:
         assert f.read() == before
     assert os.listdir(os.path.dirname(path)) == ["checkpoint.pt"]  # no events file: nothing started
+
+
+@pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])
+def test_resume_under_other_flags_warns(tmp_path, script, capsys):
+    """A resumed run goes on under the flags given: one warning line names each learning flag that differs from the
+    checkpoint's (here the budget, which moves the learning rate's schedule, and the entropy cost); the same flags, or
+    an evaluation, print nothing."""
+    agent = script.Agent((4,), 2)
+    trained = script.Args(env_id="CartPole-v1", total_timesteps=1000)
+    path = str(tmp_path / "checkpoint.pt")
+    assert script.save_checkpoint(path, agent, script.make_optimizer(trained, agent), 400, 10, trained)
+    capsys.readouterr()
+
+    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", total_timesteps=1000, resume=path))
+    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", ent_coef=0.5, eval_checkpoint=path))
+    assert capsys.readouterr().err == ""
+
+    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", total_timesteps=2000, ent_coef=0.02, resume=path))
+    assert capsys.readouterr().err == (
+        f"warning: resuming {path} under other flags than it was trained with: --total-timesteps 2000 (trained with "
+        "1000), --ent-coef 0.02 (trained with 0.01); pass the training values to continue the same run (the learning "
+        "rate anneals to 0 at --total-timesteps)\n"
+    )

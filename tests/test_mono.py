@@ -91,6 +91,7 @@ def test_resume_continues_the_run(tmp_path):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "--total-timesteps 80 (trained with 40)" in result.stderr  # the warning: the budget moves the schedule
     assert run_dirs(tmp_path) == [run_dir]  # same run folder
     checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
     assert (checkpoint["global_step"], checkpoint["num_updates"]) == (2 * steps, 4)
@@ -192,3 +193,16 @@ def test_too_little_shared_memory_is_a_clear_error(monkeypatch, capsys):
     assert str(exit_info.value).startswith(
         "error: the rollout buffers need 57 MiB of shared memory but /dev/shm has 10 MiB free"
     )
+
+
+def test_learner_threads_stop_at_the_budget(tmp_path):
+    """Three learner threads, a budget of 100 steps and updates of 40: the run makes exactly the 3 updates that start
+    below the budget (at steps 0, 40 and 80), each with a positive learning rate. A thread that waited for the update
+    lock while another's update reached the budget makes none (its learning rate would be 6e-4 * (1 - 120 / 100) < 0)."""
+    flags = ["--num-actors", 2, "--num-envs-per-actor", 4, "--unroll-length", 10, "--batch-size", 4]
+    run_dir = train(SCRIPT, "CartPole-v1", 100, [*flags, "--num-learner-threads", 3], tmp_path)
+    checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
+    assert (checkpoint["global_step"], checkpoint["num_updates"]) == (120, 3)
+    rates = scalars(run_dir, "charts/learning_rate")
+    assert [step for step, _ in rates] == [40, 80, 120]
+    assert [rate for _, rate in rates] == pytest.approx([6e-4, 6e-4 * 0.6, 6e-4 * 0.2])
