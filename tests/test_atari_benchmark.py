@@ -203,14 +203,9 @@ def test_table_by_hand(tmp_path):
     os.makedirs(tmp_path / "out")
     write_csv(tmp_path / "out" / "curves.csv", curves)
     write_csv(tmp_path / "out" / "runs.csv", runs)
+    report_only = ["--report-only", "--out", "out", "--runs-dir", "nowhere", "--total-timesteps", budget]
     result = bench(
-        "--report-only",
-        "--out",
-        "out",
-        "--runs-dir",
-        "nowhere",
-        "--total-timesteps",
-        budget,
+        *report_only,
         "--seeds",
         1,
         2,
@@ -260,20 +255,7 @@ def test_table_by_hand(tmp_path):
 
     # Asked for one game and seed (a runner started on a few games), the report keeps every recorded run's row and the
     # Atari-5 estimate; only the list of unfinished runs narrows to what was asked.
-    result = bench(
-        "--report-only",
-        "--out",
-        "out",
-        "--runs-dir",
-        "nowhere",
-        "--total-timesteps",
-        budget,
-        "--seeds",
-        1,
-        "--env-ids",
-        "Qbert-v5",
-        cwd=tmp_path,
-    )
+    result = bench(*report_only, "--seeds", 1, "--env-ids", "Qbert-v5", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     narrow = (tmp_path / "out" / "results.md").read_text().splitlines()
     rows = sorted(row for row in table if row.startswith("| ") and "-v5 |" in row)
