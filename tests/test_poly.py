@@ -465,10 +465,10 @@ def test_torchrun_restarts_refused_where_they_could_not_work(tmp_path, store, ru
             "error: --env-batch-size 8 is larger than --num-envs 4",
         ),
         (["--env-id", "CartPole-v1", "--resume", "nowhere.pt"], "error: --resume nowhere.pt: no such file"),
-        # (1e8 envs + 4 x 8 batched rollouts) x 21 steps x 4 x 84 x 84 bytes
+        # (1e8 envs + 5e7 rollouts one recv() finished + 4 x 8 batched rollouts) x 21 steps x 4 x 84 x 84 bytes
         (
             ["--env-id", "Pong-v5", "--num-envs", 10**8],
-            "error: --num-envs 100000000 needs 55199.9 GiB of rollout buffers, but",
+            "error: --num-envs 100000000 needs 82799.8 GiB of rollout buffers, but",
         ),
         (["--env-id", "CartPole-v1", "--stall-timeout", 0], "error: --stall-timeout must be positive, got 0.0"),
     ],
