@@ -7,8 +7,10 @@ results table with human-normalized scores (HNS) and the Atari-5 estimate of the
 
 Run `{env_id}__{script}__{seed}__atari` starts in `--runs-dir`, so it writes `{runs_dir}/runs/{run_name}/` (events and
 checkpoint.pt) and appends its output to `{runs_dir}/{run_name}.log`. A run whose checkpoint is short of the budget is
-continued with --resume. A finished run's curve is merged into `{out}/curves.csv` and the run into `{out}/runs.csv`:
-the out folder (committed) alone says which runs are done, even when the run folders are gone.
+continued with --resume; a run trained for another budget is not (its learning rate anneals over its own). A finished
+run's curve is merged into `{out}/curves.csv` and the run into `{out}/runs.csv`: the out folder (committed) alone says
+which runs are done, even when the run folders are gone. The table scores every run recorded with at least the budget's
+steps at the budget, and notes a run trained for a longer one.
 """
 
 import argparse
@@ -158,13 +160,15 @@ def interrupt(signum, frame):
     raise KeyboardInterrupt(signum)
 
 
-def checkpoint_step(path):
-    """The global_step a run's checkpoint reached; None without one."""
+def checkpoint_steps(path):
+    """(global_step, total_timesteps) of a run's checkpoint: how far it got, and the budget its learning rate anneals
+    over; (None, None) without one."""
     if not os.path.exists(path):
-        return None
+        return None, None
     import torch  # here, not at the top: seconds to import, and a runner that skips or starts runs never needs it
 
-    return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    return checkpoint["global_step"], checkpoint["args"]["total_timesteps"]
 
 
 def last_mean(returns):
@@ -190,7 +194,7 @@ def record(out, run_dir, env_id, script, seed, total_timesteps):
         script=script,
         seed=seed,
         total_timesteps=total_timesteps,
-        global_step=checkpoint_step(os.path.join(run_dir, "checkpoint.pt")),
+        global_step=checkpoint_steps(os.path.join(run_dir, "checkpoint.pt"))[0],
         hours=round(hours, 4),
         episodes=len(rows),
     )
@@ -212,8 +216,15 @@ def run_all(args, script, extra):
         if done.get((env_id, name, seed), -1) >= args.total_timesteps:
             print(f"{tag}: skipped, finished at global_step {done[env_id, name, seed]} ({args.out}/runs.csv)", flush=True)
             continue
-        step = checkpoint_step(os.path.join(run_dir, "checkpoint.pt"))
-        if step is not None and step >= args.total_timesteps:  # finished, but not recorded (e.g. the runner was stopped)
+        step, budget = checkpoint_steps(os.path.join(run_dir, "checkpoint.pt"))
+        if step is not None and budget != args.total_timesteps:  # resumed, its learning rate would jump back up
+            print(
+                f"{tag}: failed, {run_dir} was trained for --total-timesteps {budget} (its learning rate anneals to 0 "
+                f"there): a budget of {args.total_timesteps} needs its own --runs-dir and --out",
+                flush=True,
+            )
+            failed += 1
+        elif step is not None and step >= args.total_timesteps:  # finished, but not recorded (the runner was stopped)
             returns = record(args.out, run_dir, env_id, name, seed, args.total_timesteps)
             print(
                 f"{tag}: skipped, finished at global_step {step} per its checkpoint: recorded, {last_mean(returns)}",
@@ -264,7 +275,7 @@ def run_all(args, script, extra):
             time.sleep(0.2)
             for process in [p for p in running if p.poll() is not None]:
                 tag, env_id, seed, run_dir, log_path, start = running.pop(process)
-                step = checkpoint_step(os.path.join(run_dir, "checkpoint.pt"))
+                step = checkpoint_steps(os.path.join(run_dir, "checkpoint.pt"))[0]
                 if process.returncode == 0 and step is not None and step >= args.total_timesteps:
                     returns = record(args.out, run_dir, env_id, name, seed, args.total_timesteps)
                     minutes = (time.time() - start) / 60
@@ -334,6 +345,8 @@ def report(args, script):
                         unfinished.append((env_id, script_name, seed, run))
                     continue
                 finished.append(run)
+                if int(run["total_timesteps"]) != args.total_timesteps:
+                    notes.append(f"seed {seed}: trained for {int(run['total_timesteps']):,} steps")
                 games = returns.get((env_id, script_name, seed), [])
                 if len(games) < WINDOW:
                     notes.append(f"seed {seed}: {len(games)} games" if games else f"seed {seed}: no full game (not scored)")
@@ -353,7 +366,7 @@ def report(args, script):
         lines += ["", f"Not finished at {args.total_timesteps:,} steps (not in the table):", ""]
     for env_id, script_name, seed, run in unfinished:
         checkpoint = os.path.join(args.runs_dir, "runs", f"{env_id}__{script_name}__{seed}__atari", "checkpoint.pt")
-        at = f"checkpoint at global_step {checkpoint_step(checkpoint)}" if os.path.exists(checkpoint) else "no checkpoint"
+        at = f"checkpoint at global_step {checkpoint_steps(checkpoint)[0]}" if os.path.exists(checkpoint) else "no checkpoint"
         recorded = f"recorded at global_step {run['global_step']}; " if run else ""
         lines.append(f"- {env_id} {script_name} seed {seed}: {recorded}{at}")
     lines += ["", f"## References (other budgets: ours is {frames} frames per run)", ""] + [f"- {r}" for r in REFERENCES]

@@ -92,16 +92,27 @@ def test_runs_skip_and_resume(tmp_path):
     assert "| Pong-v5 | impala_poly | 2 | - | - | " in table
     assert "seed 1: no full game (not scored); seed 2: no full game (not scored) |" in table
 
-    # A larger budget for Pong seed 1 continues its checkpoint; seed 3's folder holds events but no checkpoint, so it
-    # fails without being started (its events would mix with a new run's), and the other run still goes on.
+    # Pong seed 1 becomes a run of 400 steps stopped at 200 (its checkpoint as such a run leaves it): a runner asked for
+    # 400 continues it. Seed 2 was trained for 200 steps: continuing it would restart its annealed learning rate, so it
+    # fails untouched. Seed 3's folder holds events but no checkpoint, so it fails without being started (its events
+    # would mix with a new run's). The other run still goes on.
+    stopped = checkpoint(tmp_path, names[0])
+    stopped["args"]["total_timesteps"] = 400
+    torch.save(stopped, tmp_path / "runs" / "atari" / "runs" / names[0] / "checkpoint.pt")
     with SummaryWriter(str(tmp_path / "runs" / "atari" / "runs" / "Pong-v5__impala_poly__3__atari")) as writer:
         writer.add_scalar("charts/SPS", 100, 20)
-    result = bench("--env-ids", "Pong-v5", "--seeds", 1, 3, "--total-timesteps", 400, *TINY, cwd=tmp_path)
+    seed_2 = {path: time for path, time in run_files(tmp_path).items() if names[1] in path}
+    result = bench("--env-ids", "Pong-v5", "--seeds", 1, 2, 3, "--total-timesteps", 400, *TINY, cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert "[1/2] Pong-v5 seed 1: resumed at global_step 200" in lines, result.stdout
-    assert any(line.startswith("[1/2] Pong-v5 seed 1: finished in ") for line in lines), result.stdout
-    assert any(line.startswith("[2/2] Pong-v5 seed 3: failed, ") for line in lines), result.stdout
+    assert "[1/3] Pong-v5 seed 1: resumed at global_step 200" in lines, result.stdout
+    assert any(line.startswith("[1/3] Pong-v5 seed 1: finished in ") for line in lines), result.stdout
+    assert (
+        f"[2/3] Pong-v5 seed 2: failed, runs/atari/runs/{names[1]} was trained for --total-timesteps 200 (its learning rate anneals to 0 "
+        "there): a budget of 400 needs its own --runs-dir and --out"
+    ) in lines, result.stdout
+    assert {path: time for path, time in run_files(tmp_path).items() if names[1] in path} == seed_2
+    assert any(line.startswith("[3/3] Pong-v5 seed 3: failed, ") for line in lines), result.stdout
     resumed = checkpoint(tmp_path, names[0])
     run_dir = tmp_path / "runs" / "atari" / "runs" / names[0]
     assert (resumed["global_step"], resumed["args"]["resume"]) == (400, str(run_dir / "checkpoint.pt"))
@@ -116,7 +127,9 @@ def test_runs_skip_and_resume(tmp_path):
     assert (pong["env_id"], pong["seed"], pong["total_timesteps"], pong["global_step"]) == ("Pong-v5", "1", "400", "400")
     curves = read_csv(tmp_path / "results" / "atari" / "curves.csv")  # the run's rows replaced, not added to
     assert int(pong["episodes"]) == sum(c["env_id"] == "Pong-v5" and c["seed"] == "1" for c in curves)
-    assert "- Pong-v5 impala_poly seed 3: no checkpoint" in (tmp_path / "results" / "atari" / "results.md").read_text()
+    table = (tmp_path / "results" / "atari" / "results.md").read_text()
+    assert "- Pong-v5 impala_poly seed 2: recorded at global_step 200; checkpoint at global_step 200" in table
+    assert "- Pong-v5 impala_poly seed 3: no checkpoint" in table
 
     # The first command again: everything is done per runs.csv, nothing starts and no run file changes.
     before = run_files(tmp_path)
@@ -129,6 +142,10 @@ def test_runs_skip_and_resume(tmp_path):
         assert skipped in result.stdout.splitlines(), result.stdout
     assert "started" not in result.stdout
     assert run_files(tmp_path) == before
+    # Scored at 200 steps, seed 1 says it was trained for 400 (its learning rate had not annealed to 0 at 200).
+    table = (tmp_path / "results" / "atari" / "results.md").read_text()
+    assert "| Pong-v5 | impala_poly | 2 | - | - | " in table
+    assert "seed 1: trained for 400 steps; seed 1: no full game (not scored); seed 2: no full game (not scored) |" in table
 
 
 def write_csv(path, rows):
