@@ -108,8 +108,8 @@ def test_runs_skip_and_resume(tmp_path):
     assert "[1/3] Pong-v5 seed 1: resumed at global_step 200" in lines, result.stdout
     assert any(line.startswith("[1/3] Pong-v5 seed 1: finished in ") for line in lines), result.stdout
     assert (
-        f"[2/3] Pong-v5 seed 2: failed, runs/atari/runs/{names[1]} was trained for --total-timesteps 200 (its learning rate anneals to 0 "
-        "there): a budget of 400 needs its own --runs-dir and --out"
+        f"[2/3] Pong-v5 seed 2: failed, runs/atari/runs/{names[1]} was trained for --total-timesteps 200 (its learning "
+        "rate anneals to 0 there): a budget of 400 needs its own --runs-dir and --out"
     ) in lines, result.stdout
     assert {path: time for path, time in run_files(tmp_path).items() if names[1] in path} == seed_2
     assert any(line.startswith("[3/3] Pong-v5 seed 3: failed, ") for line in lines), result.stdout
