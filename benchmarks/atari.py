@@ -16,6 +16,7 @@ steps at the budget, and notes a run trained for a longer one.
 import argparse
 import csv
 import os
+import platform
 import shlex
 import signal
 import subprocess
@@ -39,7 +40,8 @@ GAMES = [
     "Phoenix-v5",
     "Qbert-v5",
 ]
-RUN_FIELDS = ["env_id", "script", "seed", "total_timesteps", "global_step", "hours", "episodes"]
+# precision and cpu: what the run's network computed in and the machine that finished it, since wall time depends on both.
+RUN_FIELDS = ["env_id", "script", "seed", "total_timesteps", "global_step", "hours", "episodes", "precision", "cpu"]
 WINDOW = 100  # games in each seed's final score
 
 # (random, human) scores of the 57 games, keyed by EnvPool's name: the standard table of the Agent57 and R2D2 papers
@@ -160,15 +162,24 @@ def interrupt(signum, frame):
     raise KeyboardInterrupt(signum)
 
 
-def checkpoint_steps(path):
-    """(global_step, total_timesteps) of a run's checkpoint: how far it got, and the budget its learning rate anneals
-    over; (None, None) without one."""
+def read_checkpoint(path):
+    """A run's checkpoint: its "global_step" says how far it got, its "args" the budget its learning rate anneals over
+    (total_timesteps) and its precision (bf16). None without one."""
     if not os.path.exists(path):
-        return None, None
+        return None
     import torch  # here, not at the top: seconds to import, and a runner that skips or starts runs never needs it
 
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    return checkpoint["global_step"], checkpoint["args"]["total_timesteps"]
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def this_cpu():
+    """This machine's CPU model and core count, as runs.csv records it: e.g. 'AMD EPYC 7B13 (2 cores)'."""
+    model = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        model = names[0] if names else model
+    return f"{model} ({os.cpu_count()} cores)"
 
 
 def last_mean(returns):
@@ -189,14 +200,17 @@ def record(out, run_dir, env_id, script, seed, total_timesteps):
         os.path.join(out, "curves.csv"), plot_curves.FIELDS, sorted(curves, key=lambda r: (*key(r), int(r["global_step"])))
     )
     hours = sum(last - first for first, last in plot_curves.sessions(run_dir)) / 3600
+    checkpoint = read_checkpoint(os.path.join(run_dir, "checkpoint.pt"))
     run = dict(
         env_id=env_id,
         script=script,
         seed=seed,
         total_timesteps=total_timesteps,
-        global_step=checkpoint_steps(os.path.join(run_dir, "checkpoint.pt"))[0],
+        global_step=checkpoint["global_step"],
         hours=round(hours, 4),
         episodes=len(rows),
+        precision="bfloat16" if checkpoint["args"].get("bf16") else "float32",
+        cpu=this_cpu(),
     )
     runs = [r for r in read_csv(os.path.join(out, "runs.csv")) if key(r) != (env_id, script, seed)] + [run]
     write_csv(os.path.join(out, "runs.csv"), RUN_FIELDS, sorted(runs, key=key))
@@ -216,7 +230,9 @@ def run_all(args, script, extra):
         if done.get((env_id, name, seed), -1) >= args.total_timesteps:
             print(f"{tag}: skipped, finished at global_step {done[env_id, name, seed]} ({args.out}/runs.csv)", flush=True)
             continue
-        step, budget = checkpoint_steps(os.path.join(run_dir, "checkpoint.pt"))
+        checkpoint = read_checkpoint(os.path.join(run_dir, "checkpoint.pt"))
+        step = checkpoint["global_step"] if checkpoint else None
+        budget = checkpoint["args"]["total_timesteps"] if checkpoint else None
         if step is not None and budget != args.total_timesteps:  # resumed, its learning rate would jump back up
             print(
                 f"{tag}: failed, {run_dir} was trained for --total-timesteps {budget} (its learning rate anneals to 0 "
@@ -275,7 +291,8 @@ def run_all(args, script, extra):
             time.sleep(0.2)
             for process in [p for p in running if p.poll() is not None]:
                 tag, env_id, seed, run_dir, log_path, start = running.pop(process)
-                step = checkpoint_steps(os.path.join(run_dir, "checkpoint.pt"))[0]
+                checkpoint = read_checkpoint(os.path.join(run_dir, "checkpoint.pt"))
+                step = checkpoint["global_step"] if checkpoint else None
                 if process.returncode == 0 and step is not None and step >= args.total_timesteps:
                     returns = record(args.out, run_dir, env_id, name, seed, args.total_timesteps)
                     minutes = (time.time() - start) / 60
@@ -326,12 +343,17 @@ def report(args, script):
         (
             f"Each seed's score is the mean of its last {WINDOW} full-game returns at or before the budget; cells give the "
             "mean ± sample standard deviation (ddof=1) over seeds. HNS = (score - random) / (human - random) per seed "
-            "(random and human scores of Badia et al. 2020), then mean ± std. Wall time: training time per run."
+            "(random and human scores of Badia et al. 2020), then mean ± std. Wall time: training time per run, the mean "
+            "over its seeds on each machine (below the table)."
         ),
         "",
         f"| game | script | seeds | mean of last {WINDOW} returns | HNS | wall time per run | notes |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
+    # Wall time depends on the machine and the precision: a benchmark filled over several machines labels them A, B, ...
+    finished_runs = [r for r in runs.values() if int(r["global_step"]) >= args.total_timesteps]
+    machines = sorted({machine(r) for r in finished_runs})
+    labels = {m: chr(ord("A") + i) for i, m in enumerate(machines)} if len(machines) > 1 else {}
     unfinished, hns_by_seed = [], {}  # hns_by_seed: {script: {seed: {game: HNS}}}
     for env_id in env_ids:
         for script_name in scripts:
@@ -356,17 +378,24 @@ def report(args, script):
                     hns_values.append(hns(env_id, scores[-1]))
                     hns_by_seed.setdefault(script_name, {}).setdefault(seed, {})[game(env_id)] = hns_values[-1]
             if finished:
-                hours = np.mean([float(r["hours"]) for r in finished])
                 lines.append(
                     f"| {env_id} | {script_name} | {len(finished)} | {mean_std(scores, 1)} | "
-                    f"{mean_std(hns_values, 3)} | {plot_curves.duration(hours)} | {'; '.join(notes)} |"
+                    f"{mean_std(hns_values, 3)} | {wall_time(finished, labels)} | {'; '.join(notes)} |"
                 )
+    if labels:
+        lines += ["", "Machines (CPU, the network's precision):", ""]
+        for m in machines:
+            lines.append(f"- {labels[m]}: {m}; {sum(machine(r) == m for r in finished_runs)} runs")
+    elif machines and machines != ["not recorded"]:
+        lines += ["", f"Every run on one machine: {machines[0]}."]
     lines += atari5_lines(hns_by_seed)
     if unfinished:
         lines += ["", f"Not finished at {args.total_timesteps:,} steps (not in the table):", ""]
     for env_id, script_name, seed, run in unfinished:
-        checkpoint = os.path.join(args.runs_dir, "runs", f"{env_id}__{script_name}__{seed}__atari", "checkpoint.pt")
-        at = f"checkpoint at global_step {checkpoint_steps(checkpoint)[0]}" if os.path.exists(checkpoint) else "no checkpoint"
+        checkpoint = read_checkpoint(
+            os.path.join(args.runs_dir, "runs", f"{env_id}__{script_name}__{seed}__atari", "checkpoint.pt")
+        )
+        at = f"checkpoint at global_step {checkpoint['global_step']}" if checkpoint else "no checkpoint"
         recorded = f"recorded at global_step {run['global_step']}; " if run else ""
         lines.append(f"- {env_id} {script_name} seed {seed}: {recorded}{at}")
     lines += ["", f"## References (other budgets: ours is {frames} frames per run)", ""] + [f"- {r}" for r in REFERENCES]
@@ -374,6 +403,23 @@ def report(args, script):
         f.write("\n".join(lines) + "\n")
     rows = [r for r in curves if r["env_id"] in env_ids and int(r["global_step"]) <= args.total_timesteps]  # as scored
     return [os.path.join(args.out, "results.md")] + (plot_curves.plot(rows, WINDOW, args.out) if rows else [])
+
+
+def machine(run):
+    """The machine a run finished on, as runs.csv records it; rows from before it did say so."""
+    if not run.get("cpu"):
+        return "not recorded"
+    return f"{run['cpu']}, {run['precision']}"
+
+
+def wall_time(finished, labels):
+    """The mean training time of a table row's runs; per machine, each with its label, where there are several."""
+    hours = {}
+    for run in finished:
+        hours.setdefault(machine(run), []).append(float(run["hours"]))
+    if not labels:
+        return plot_curves.duration(np.mean([h for values in hours.values() for h in values]))
+    return ", ".join(f"{plot_curves.duration(np.mean(hours[m]))} ({labels[m]})" for m in sorted(hours))
 
 
 def atari5_lines(hns_by_seed):
