@@ -8,9 +8,9 @@ results table with human-normalized scores (HNS) and the Atari-5 estimate of the
 Run `{env_id}__{script}__{seed}__atari` starts in `--runs-dir`, so it writes `{runs_dir}/runs/{run_name}/` (events and
 checkpoint.pt) and appends its output to `{runs_dir}/{run_name}.log`. A run whose checkpoint is short of the budget is
 continued with --resume; a run trained for another budget is not (its learning rate anneals over its own). A finished
-run's curve is merged into `{out}/curves.csv` and the run into `{out}/runs.csv`: the out folder (committed) alone says
-which runs are done, even when the run folders are gone. The table scores every run recorded with at least the budget's
-steps at the budget, and notes a run trained for a longer one.
+run's curve is merged into `{out}/curves.csv` and the run (with its precision and the CPU that finished it) into
+`{out}/runs.csv`: the out folder (committed) alone says which runs are done, even when the run folders are gone. The
+table scores every run recorded with at least the budget's steps at the budget, and notes a run trained for a longer one.
 """
 
 import argparse
@@ -385,7 +385,8 @@ def report(args, script):
     if labels:
         lines += ["", "Machines (CPU, the network's precision):", ""]
         for m in machines:
-            lines.append(f"- {labels[m]}: {m}; {sum(machine(r) == m for r in finished_runs)} runs")
+            count = sum(machine(r) == m for r in finished_runs)
+            lines.append(f"- {labels[m]}: {m}; {count} run{'s' if count > 1 else ''}")
     elif machines and machines != ["not recorded"]:
         lines += ["", f"Every run on one machine: {machines[0]}."]
     lines += atari5_lines(hns_by_seed)

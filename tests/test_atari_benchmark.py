@@ -84,9 +84,13 @@ def test_runs_skip_and_resume(tmp_path):
         ("Pong-v5", "1", "200", "200"),
         ("Pong-v5", "2", "200", "200"),
     ]
+    with open("/proc/cpuinfo") as f:  # the CPU that finished each run: this one
+        cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     for r in runs:  # hours: training time from the events, the episodes those in curves.csv
         assert 0 < float(r["hours"]) < 0.1
         assert int(r["episodes"]) == sum(c["env_id"] == r["env_id"] and c["seed"] == r["seed"] for c in curves)
+        bf16 = checkpoint(tmp_path, f"{r['env_id']}__impala_poly__{r['seed']}__atari")["args"]["bf16"]
+        assert (r["precision"], r["cpu"]) == ("bfloat16" if bf16 else "float32", f"{cpu} ({os.cpu_count()} cores)")
     # Pong's games last thousands of steps: no score, said in the table.
     table = (tmp_path / "results" / "atari" / "results.md").read_text()
     assert "| Pong-v5 | impala_poly | 2 | - | - | " in table
@@ -253,6 +257,7 @@ def test_table_by_hand(tmp_path):
     assert "| Pong-v5 | impala_poly | 1 | - | - | 15.0 min | seed 1: no full game (not scored) |" in table
     assert "- Pong-v5 impala_poly seed 2: recorded at global_step 100000; no checkpoint" in table
     assert "- Breakout-v5 impala_poly seed 2: no checkpoint" in table
+    assert not any(line.startswith(("Every run", "Machines")) for line in table)  # rows that predate the machine columns
 
     def predict(hns_by_game):  # Atari-5 with HNS in percent, as the regression was fitted
         total = 0.0
@@ -281,6 +286,42 @@ def test_table_by_hand(tmp_path):
     assert line in narrow
     assert not any(row.startswith("Not finished") for row in narrow)
     assert sorted(os.listdir(tmp_path / "out")) == pngs
+
+
+def test_wall_time_per_machine(tmp_path):
+    """Runs finished on two machines: each row's wall time is the mean over its runs on each machine, labelled; one
+    machine needs no labels."""
+    epyc, xeon = ("AMD EPYC (2 cores)", "float32"), ("Intel Xeon (2 cores)", "bfloat16")
+    runs = [
+        dict(env_id="Breakout-v5", seed=1, hours=1.0, machine=epyc),
+        dict(env_id="Breakout-v5", seed=2, hours=0.25, machine=xeon),
+        dict(env_id="Breakout-v5", seed=3, hours=2.0, machine=epyc),
+        dict(env_id="Pong-v5", seed=1, hours=0.5, machine=epyc),
+    ]
+    os.makedirs(tmp_path / "out")
+    for r in runs:
+        cpu, precision = r.pop("machine")
+        r.update(script="impala_poly", total_timesteps=1000, global_step=1000, episodes=0, precision=precision, cpu=cpu)
+    write_csv(tmp_path / "out" / "runs.csv", runs)
+    report_only = ["--report-only", "--out", "out", "--runs-dir", "nowhere", "--total-timesteps", 1000, "--seeds", 1, 2, 3]
+    result = bench(*report_only, "--env-ids", "Breakout-v5", "Pong-v5", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "out" / "results.md").read_text().splitlines()
+    assert any(row.startswith("| Breakout-v5 | impala_poly | 3 | - | - | 1.50 h (A), 15.0 min (B) | ") for row in table)
+    assert any(row.startswith("| Pong-v5 | impala_poly | 1 | - | - | 30.0 min (A) | ") for row in table)
+    start = table.index("Machines (CPU, the network's precision):")
+    assert table[start + 2 : start + 4] == [
+        "- A: AMD EPYC (2 cores), float32; 3 runs",
+        "- B: Intel Xeon (2 cores), bfloat16; 1 run",
+    ]
+
+    write_csv(tmp_path / "out" / "runs.csv", [r for r in runs if r["cpu"] == epyc[0]])
+    result = bench(*report_only, "--env-ids", "Breakout-v5", "Pong-v5", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "out" / "results.md").read_text().splitlines()
+    assert any(row.startswith("| Breakout-v5 | impala_poly | 2 | - | - | 1.50 h | ") for row in table)
+    assert "Every run on one machine: AMD EPYC (2 cores), float32." in table
+    assert not any(row.startswith("Machines") for row in table)
 
 
 def test_hns_and_atari5():
