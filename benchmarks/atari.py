@@ -173,7 +173,7 @@ def read_checkpoint(path):
 
 
 def this_cpu():
-    """This machine's CPU model and core count, as runs.csv records it: e.g. 'AMD EPYC 7B13 (2 cores)'."""
+    """This machine's CPU model and core count, as runs.csv records it: e.g. 'Intel(R) Xeon(R) Processor (2 cores)'."""
     model = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
@@ -407,7 +407,7 @@ def report(args, script):
 
 
 def machine(run):
-    """The machine a run finished on, as runs.csv records it; rows from before it did say so."""
+    """The machine a run finished on (CPU, precision), as runs.csv records it; "not recorded" for older rows."""
     if not run.get("cpu"):
         return "not recorded"
     return f"{run['cpu']}, {run['precision']}"
