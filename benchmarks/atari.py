@@ -186,9 +186,10 @@ def last_mean(returns):
     return f"mean of last {len(returns[-WINDOW:])} = {np.mean(returns[-WINDOW:]):.1f}" if len(returns) else "no full game yet"
 
 
-def record(out, run_dir, env_id, script, seed, total_timesteps):
-    """Merges a finished run's curve into curves.csv (replacing its old rows) and the run into runs.csv; returns its
-    returns. Hours count training time only: the sum of its sessions (plot_curves.sessions)."""
+def record(out, run_dir, checkpoint, env_id, script, seed, total_timesteps):
+    """Merges a finished run's curve into curves.csv (replacing its old rows) and the run, with its checkpoint's step and
+    precision, into runs.csv; returns its returns. Hours count training time only: the sum of its sessions
+    (plot_curves.sessions)."""
     curve = plot_curves.read_run(run_dir)
     rows = [
         dict(env_id=env_id, script=script, seed=seed, global_step=step, hours=round(hours, 6), episodic_return=value)
@@ -200,7 +201,6 @@ def record(out, run_dir, env_id, script, seed, total_timesteps):
         os.path.join(out, "curves.csv"), plot_curves.FIELDS, sorted(curves, key=lambda r: (*key(r), int(r["global_step"])))
     )
     hours = sum(last - first for first, last in plot_curves.sessions(run_dir)) / 3600
-    checkpoint = read_checkpoint(os.path.join(run_dir, "checkpoint.pt"))
     run = dict(
         env_id=env_id,
         script=script,
@@ -241,7 +241,7 @@ def run_all(args, script, extra):
             )
             failed += 1
         elif step is not None and step >= args.total_timesteps:  # finished, but not recorded (the runner was stopped)
-            returns = record(args.out, run_dir, env_id, name, seed, args.total_timesteps)
+            returns = record(args.out, run_dir, checkpoint, env_id, name, seed, args.total_timesteps)
             print(
                 f"{tag}: skipped, finished at global_step {step} per its checkpoint: recorded, {last_mean(returns)}",
                 flush=True,
@@ -294,7 +294,7 @@ def run_all(args, script, extra):
                 checkpoint = read_checkpoint(os.path.join(run_dir, "checkpoint.pt"))
                 step = checkpoint["global_step"] if checkpoint else None
                 if process.returncode == 0 and step is not None and step >= args.total_timesteps:
-                    returns = record(args.out, run_dir, env_id, name, seed, args.total_timesteps)
+                    returns = record(args.out, run_dir, checkpoint, env_id, name, seed, args.total_timesteps)
                     minutes = (time.time() - start) / 60
                     print(f"{tag}: finished in {minutes:.1f} min, {last_mean(returns)}", flush=True)
                 else:
@@ -415,11 +415,11 @@ def machine(run):
 
 def wall_time(finished, labels):
     """The mean training time of a table row's runs; per machine, each with its label, where there are several."""
+    if not labels:
+        return plot_curves.duration(np.mean([float(run["hours"]) for run in finished]))
     hours = {}
     for run in finished:
         hours.setdefault(machine(run), []).append(float(run["hours"]))
-    if not labels:
-        return plot_curves.duration(np.mean([h for values in hours.values() for h in values]))
     return ", ".join(f"{plot_curves.duration(np.mean(hours[m]))} ({labels[m]})" for m in sorted(hours))
 
 
