@@ -433,9 +433,12 @@ def atari5_lines(hns_by_seed):
         estimate = atari5_median({name: np.mean(values) for name, values in by_game.items()})
         complete = sorted(seed for seed, s in seeds.items() if set(ATARI5_WEIGHTS) <= set(s))
         per_seed = [atari5_median(seeds[seed]) for seed in complete]
+        values = ", ".join(f"{value:.3f}" for value in per_seed)
+        if len(per_seed) > 1:
+            values += f"; mean {mean_std(per_seed, 3)}"
         lines.append(
             f"- {script_name}: {estimate:.3f} from the mean-over-seeds HNS of each game; per seed "
-            f"(seeds {', '.join(map(str, complete))}): {mean_std(per_seed, 3)}"
+            f"(seeds {', '.join(map(str, complete))}): {values}"
         )
     if not lines:
         return []

@@ -269,7 +269,7 @@ def test_table_by_hand(tmp_path):
     p1, p2 = predict(per_seed_hns[1]), predict(per_seed_hns[2])
     line = (
         f"- impala_poly: {estimate:.3f} from the mean-over-seeds HNS of each game; per seed (seeds 1, 2): "
-        f"{(p1 + p2) / 2:.3f} ± {abs(p1 - p2) / math.sqrt(2):.3f}"
+        f"{p1:.3f}, {p2:.3f}; mean {(p1 + p2) / 2:.3f} ± {abs(p1 - p2) / math.sqrt(2):.3f}"
     )
     assert line in table
     pngs = sorted(["curves.csv", "runs.csv", "results.md", "Breakout-v5.png"] + [f"{name}-v5.png" for name in bases])
