@@ -76,19 +76,28 @@ class Args:
     """the number of envs each `recv()` returns (EnvPool's async batch); default: num_envs // 2"""
     num_threads: Optional[int] = None
     """EnvPool worker threads of each rank; default: the CPU cores over the ranks on this machine (classic control: 1)"""
-    unroll_length: int = 20
-    """the number of steps in each rollout (T)"""
-    batch_size: int = 8
-    """the number of rollouts (trajectories) in each learner update (B); the paper's 32 learned slower per frame (README)"""
     queue_size: int = 2
     """the most batches waiting for the learner; when it is full the envs wait, which bounds the policy lag"""
     num_torch_threads: Optional[int] = None
     """torch intra-op threads, shared by batched inference and the learner; default: as `num_threads`'s default in float32,
     half of it with bf16"""
+
+    # Learning arguments: the same names, defaults and docs in both scripts (tests/test_twins.py)
+    unroll_length: int = 20
+    """the number of steps in each rollout (T)"""
+    batch_size: int = 8
+    """the number of rollouts (trajectories) in each learner update (B); the paper's 32 learned slower per frame (README)"""
     learning_rate: float = 6e-4
     """the learning rate of the RMSProp optimizer"""
     anneal_lr: bool = True
-    """linearly anneal the learning rate to 0 over `total_timesteps`"""
+    """linearly anneal the learning rate to 0 over `anneal_lr_timesteps`"""
+    anneal_lr_timesteps: Optional[int] = None
+    """the steps over which --anneal-lr takes the learning rate linearly to 0 (then it stays 0); default:
+    --total-timesteps. Fix it to compare budgets: a run then learns as the first steps of a longer one"""
+    update_epochs: int = 1
+    """passes over each batch, each recomputing V-trace under the current parameters (IMPALA: 1)"""
+    num_minibatches: int = 1
+    """optimizer steps per pass, each on an equal share of the batch's rollouts; must divide --batch-size"""
     rmsprop_alpha: float = 0.99
     """RMSProp smoothing constant"""
     rmsprop_eps: float = 0.01
@@ -266,6 +275,12 @@ class Agent(nn.Module):
         return {"logits": logits.float(), "values": values.float(), "core_state": core_state, "activations": activations}
 
 
+def make_agent(args, observation_space, action_space):
+    """The agent for the env's spaces and the flags: the one place that builds it, so a new `Agent` argument (a flag,
+    a size from the spaces) is passed here alone."""
+    return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16)
+
+
 # ALGO LOGIC: acting. The envs' async batches go through one batched inference; finished rollouts go to the learner
 class ActingPolicy:
     """The copy of the agent the envs act with, on the learner's device; the learner swaps new parameters in after
@@ -383,6 +398,8 @@ def compute_loss(agent, batch, args):
         "losses/entropy": entropy.mean(),
         "losses/loss": loss,
         "stats/value": values[:-1].mean(),
+        # the share of steps whose importance weight rho-bar clipped: how far the learning policy drifted from the acting one
+        "stats/rho_clipped": (log_rhos[~done[:-1]] > np.log(args.clip_rho_threshold)).float().mean(),
     }
     for i, activation in enumerate(output["activations"], 1):  # a unit (a conv's channel) 0 on every step learns nothing
         stats[f"stats/dead_units_{i}"] = (activation <= 0).transpose(0, 1).flatten(1).all(1).float().mean()
@@ -393,6 +410,47 @@ def make_optimizer(args, agent):
     """The paper's RMSProp. Another optimizer goes here (in both scripts); --resume refuses a checkpoint written with
     another one."""
     return torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
+
+
+def split_batch(batch, num_minibatches):
+    """The batch's rollouts in `num_minibatches` random equal shares (the batch itself for one): each [T + 1, B / n, ...]
+    per step, policy_version [B / n], core_state [2, B / n, hidden]."""
+    if num_minibatches == 1:
+        return [batch]
+    order = torch.randperm(batch["obs"].shape[1], device=batch["obs"].device)
+    return [
+        {key: value[rollouts] if value.dim() == 1 else value[:, rollouts] for key, value in batch.items()}
+        for rollouts in order.chunk(num_minibatches)
+    ]
+
+
+def scalar_stats(stats, device):
+    """compute_loss's stats as 0-d float32 tensors on `device`: each may be a float, an int or a 0-d tensor. Raises
+    ValueError naming a stat of another kind, before anything is applied."""
+    checked = {}
+    for key, value in stats.items():
+        try:
+            value = torch.as_tensor(value, dtype=torch.float32, device=device).detach()
+        except (TypeError, ValueError, RuntimeError):
+            value = None
+        if value is None or value.dim() != 0:
+            raise ValueError(
+                f"compute_loss's stat {key!r} is {type(stats[key]).__name__} "
+                f"{tuple(stats[key].shape) if hasattr(stats[key], 'shape') else stats[key]!r}: a stat must be a float, an "
+                "int or a 0-d tensor (reduce it, e.g. with .mean())"
+            )
+        checked[key] = value
+    return checked
+
+
+def outputs_finite(agent, batch):
+    """Whether the network's outputs on the batch's first step are finite: a step that blew the weights up (finite but
+    huge) shows here, before the next step or the actors use them."""
+    with torch.no_grad():
+        first = torch.zeros_like(batch["terminated"][:1])
+        core_state = tuple(batch["core_state"]) if "core_state" in batch else ()
+        output = agent(batch["obs"][:1], first, core_state)
+    return torch.isfinite(output["logits"]).all() & torch.isfinite(output["values"]).all()
 
 
 def all_reduce_gradients(agent, world_size):
@@ -415,25 +473,52 @@ def all_reduce_gradients(agent, world_size):
 
 
 def learn(agent, optimizer, batch, args, global_step, world_size=1):
-    """One update on a batch of rollouts [T + 1, B, ...]: the loss, its gradient averaged over the ranks (every rank
-    calls this with its own batch, in step), clipped to `max_grad_norm`, and an optimizer step. Returns the update's
-    stats as floats. Raises FloatingPointError, on every rank alike (after the all_reduce), if the gradient is not
-    finite: the update is not applied."""
-    learning_rate = args.learning_rate * (1.0 - global_step / args.total_timesteps if args.anneal_lr else 1.0)
+    """One update on a batch of rollouts [T + 1, B, ...]: `update_epochs` passes over it, each of `num_minibatches`
+    optimizer steps: the loss (V-trace under the current parameters), its gradient averaged over the ranks (every rank
+    calls this with its own batch, in step), clipped to `max_grad_norm`, a step. Returns the stats as floats, each the
+    mean over the steps (with several passes also `stats/rho_clipped_pass<k>`, pass k's). All of the batch or none:
+    if a gradient is not finite, or the network's outputs are not after a step, the parameters and the
+    optimizer state go back to what they were before the batch and FloatingPointError is raised, on every rank alike."""
+    horizon = args.anneal_lr_timesteps or args.total_timesteps
+    learning_rate = args.learning_rate * (max(0.0, 1.0 - global_step / horizon) if args.anneal_lr else 1.0)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate
-    loss, stats = compute_loss(agent, batch, args)
-    optimizer.zero_grad()
-    loss.backward()
-    if world_size > 1:
-        all_reduce_gradients(agent, world_size)
-    grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
-    if not torch.isfinite(grad_norm):
-        bad = ", ".join(key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)) or "the gradient"
-        raise FloatingPointError(f"not finite ({bad})")
-    optimizer.step()
-    stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": grad_norm > args.max_grad_norm})
-    stats = dict(zip(stats, torch.stack([value.float() for value in stats.values()]).tolist()))  # one device sync
+    before = copy.deepcopy(agent.state_dict()), copy.deepcopy(optimizer.state_dict())
+    steps = []  # each optimizer step's stats
+    try:
+        for epoch in range(args.update_epochs):
+            for minibatch in split_batch(batch, args.num_minibatches):
+                loss, stats = compute_loss(agent, minibatch, args)
+                stats = scalar_stats(stats, loss.device)
+                optimizer.zero_grad()
+                loss.backward()
+                if world_size > 1:
+                    all_reduce_gradients(agent, world_size)
+                grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
+                where = f" on pass {epoch + 1}" if args.update_epochs > 1 else ""
+                if not torch.isfinite(grad_norm):
+                    bad = [key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)]
+                    raise FloatingPointError(f"not finite ({', '.join(bad) or 'the gradient'}){where}")
+                optimizer.step()
+                finite = outputs_finite(agent, batch).float()
+                if world_size > 1:
+                    dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank restores and raises alike
+                if not finite:
+                    raise FloatingPointError(
+                        f"not finite after its step{where} (the network's outputs: the step blew the weights up)"
+                    )
+                stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": (grad_norm > args.max_grad_norm).float()})
+                steps.append(stats)
+    except FloatingPointError:
+        agent.load_state_dict(before[0])
+        optimizer.load_state_dict(before[1])
+        raise
+    stats = {key: torch.stack([step[key] for step in steps]).mean() for key in steps[0]}
+    if args.update_epochs > 1 and "stats/rho_clipped" in stats:  # how far each pass drifted from the acting policy
+        passes = torch.stack([step["stats/rho_clipped"] for step in steps]).view(args.update_epochs, -1).mean(1)
+        for epoch, value in enumerate(passes, 1):
+            stats[f"stats/rho_clipped_pass{epoch}"] = value
+    stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one device sync
     stats["charts/learning_rate"] = learning_rate
     return stats
 
@@ -601,9 +686,17 @@ def check_args(args):
         "eval_episodes",
         "stall_timeout",
         "video_interval",
+        "anneal_lr_timesteps",
+        "update_epochs",
+        "num_minibatches",
     ):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.batch_size % args.num_minibatches:
+        sys.exit(
+            f"error: --num-minibatches {args.num_minibatches} does not divide --batch-size {args.batch_size}: each "
+            "minibatch is an equal share of the batch's rollouts"
+        )
     args.env_batch_size = args.env_batch_size or max(1, args.num_envs // 2)  # unset (None) or positive by now
     if args.env_batch_size > args.num_envs:
         sys.exit(
@@ -656,6 +749,13 @@ def check_args(args):
             sys.exit(f"error: --{name.replace('_', '-')} {path}: no such file")
 
 
+# The flags that change how a run is run, watched or stored, not what it learns; every other flag is a learning flag,
+# and resuming under another value of one is warned about (a new flag is one by default).
+RUN_ONLY_FLAGS = ("exp_name", "torch_deterministic", "cuda", "track", "wandb_project_name", "wandb_entity", "capture_video",
+                  "video_interval", "num_threads", "num_torch_threads", "checkpoint_interval", "stall_timeout", "resume",
+                  "eval_checkpoint", "eval_episodes", "run_name", "wandb_id")  # fmt: skip
+
+
 def load_checkpoint(path, args):
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
@@ -669,35 +769,15 @@ def load_checkpoint(path, args):
                 "pass the same flag as in training"
             )
     if args.eval_checkpoint is None:  # resuming: the run goes on under the flags given, so say which ones changed
-        learning_flags = (
-            "total_timesteps",
-            "unroll_length",
-            "batch_size",
-            "learning_rate",
-            "anneal_lr",
-            "rmsprop_alpha",
-            "rmsprop_eps",
-            "gamma",
-            "ent_coef",
-            "vf_coef",
-            "max_grad_norm",
-            "reward_clip",
-            "episodic_life",
-            "repeat_action_probability",
-            "clip_rho_threshold",
-            "clip_pg_rho_threshold",
-            "vtrace_lambda",
-            "bf16",
-        )
         changed = [
-            f"--{name.replace('_', '-')} {getattr(args, name)} (trained with {trained[name]})"
-            for name in learning_flags
-            if name in trained and trained[name] != getattr(args, name)
+            f"--{name.replace('_', '-')} {value} (trained with {trained[name]})"
+            for name, value in vars(args).items()
+            if name not in RUN_ONLY_FLAGS and name in trained and trained[name] != value
         ]
         if changed:
             print(
                 f"warning: resuming {path} under other flags than it was trained with: {', '.join(changed)}; pass "
-                "the training values to continue the same run (the learning rate anneals to 0 at --total-timesteps)",
+                "the training values to continue the same run",
                 file=sys.stderr,
             )
     return checkpoint
@@ -705,14 +785,16 @@ def load_checkpoint(path, args):
 
 def check_resumable(path, checkpoint, agent, optimizer=None):
     """Exits with a one-line error, before anything starts and leaving the file as it is, if the checkpoint's network
-    (or optimizer, when given) is not the one the flags and the code build: an edited network or another optimizer."""
+    (or optimizer, when given: resuming) is not the one the flags and the code build: an edited network or another
+    optimizer."""
     saved = {key: tuple(value.shape) for key, value in checkpoint["model"].items()}
     built = {key: tuple(value.shape) for key, value in agent.state_dict().items()}
     if saved != built:
         differ = sorted(set(saved.items()) ^ set(built.items()))[0][0]
         sys.exit(
-            f"error: checkpoint {path} holds another network ({differ} differs): resume with the network it was "
-            "trained with, or start a new run"
+            f"error: checkpoint {path} holds another network ({differ} differs): "
+            f"{'evaluate' if optimizer is None else 'resume'} it with the network it was trained with"
+            f"{'' if optimizer is None else ', or start a new run'}"
         )
     if optimizer is None:
         return
@@ -801,7 +883,7 @@ if __name__ == "__main__":
     checkpoint = load_checkpoint(load_path, args) if load_path and master_process else None
 
     spec = envpool.make_spec(args.env_id)
-    agent = Agent(spec.observation_space.shape, spec.action_space.n, args.network, args.use_lstm, args.bf16)
+    agent = make_agent(args, spec.observation_space, spec.action_space)
     if checkpoint is not None:
         check_resumable(load_path, checkpoint, agent, None if args.eval_checkpoint else make_optimizer(args, agent))
     if world_size > 1:

@@ -1,0 +1,207 @@
+"""Both scripts' `learn`: several passes per batch, minibatches, the learning rate's horizon, the stats it accepts, and
+its promise that a batch is applied whole or not at all (a non-finite gradient on any pass, or a step that blows the
+weights up, restores the parameters and the optimizer state from before the batch)."""
+
+import os
+
+import pytest
+import torch
+
+import impala_mono
+import impala_poly
+from helpers import CARTPOLE_FLAGS as FLAGS
+from helpers import error_line, run, train
+from test_loss import A, rollout_batch
+
+SCRIPTS = [impala_mono, impala_poly]
+IDS = ["mono", "poly"]
+
+
+def setup(script, **flags):
+    torch.manual_seed(0)
+    args = script.Args(env_id="CartPole-v1", **flags)
+    agent = script.Agent((4,), A)
+    return args, agent, script.make_optimizer(args, agent), rollout_batch(agent)
+
+
+def state(agent, optimizer):
+    """Copies of the parameters and of the optimizer's per-parameter state, to compare after `learn`."""
+    params = [p.detach().clone() for p in agent.parameters()]
+    optimizer_state = [{key: value.clone() for key, value in s.items()} for s in optimizer.state.values()]
+    return params, optimizer_state
+
+
+def assert_same_state(before, after):
+    (params0, opt0), (params1, opt1) = before, after
+    assert all(torch.equal(p0, p1) for p0, p1 in zip(params0, params1, strict=True))
+    assert len(opt0) == len(opt1)
+    assert all(s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0) for s0, s1 in zip(opt0, opt1))
+
+
+def counting_loss(script, monkeypatch, bad_call=None, extra=None):
+    """Wraps the script's compute_loss: the stat "stats/call" is its call number (1, 2, ...), the loss of call
+    `bad_call` is infinite, and `extra(call)` may add stats."""
+    calls = []
+    compute_loss = script.compute_loss
+
+    def wrapped(agent, batch, args):
+        calls.append(batch["obs"].shape[1])
+        loss, stats = compute_loss(agent, batch, args)
+        stats["stats/call"] = torch.tensor(float(len(calls)))
+        if extra is not None:
+            stats.update(extra(len(calls)))
+        if len(calls) == bad_call:
+            loss = loss * float("inf")
+            stats["losses/loss"] = loss
+        return loss, stats
+
+    monkeypatch.setattr(script, "compute_loss", wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_several_passes_in_minibatches_report_the_mean(script, monkeypatch):
+    """3 passes of 3 minibatches over B = 3 rollouts: 9 optimizer steps of one rollout each, and every stat is the mean
+    over the 9 steps (stats/call: the mean of 1..9). The first pass's first step learns from the policy that acted
+    (behaviour logits are the agent's own here), so no importance weight is clipped on it."""
+    args, agent, optimizer, batch = setup(script, update_epochs=3, num_minibatches=3)
+    with torch.no_grad():
+        batch["logits"] = agent(batch["obs"], torch.zeros(batch["obs"].shape[:2], dtype=torch.bool), ())["logits"]
+    calls = counting_loss(script, monkeypatch)
+    before = state(agent, optimizer)
+    stats = script.learn(agent, optimizer, batch, args, global_step=0)
+    assert calls == [1] * 9
+    assert stats["stats/call"] == pytest.approx(5.0)
+    assert optimizer.state[next(agent.parameters())]["step"].item() == 9
+    assert not torch.equal(before[0][0], next(agent.parameters()))
+    assert set(stats) >= {f"stats/rho_clipped_pass{k}" for k in (1, 2, 3)}
+    assert 0.0 <= stats["stats/rho_clipped_pass1"] < stats["stats/rho_clipped_pass3"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_split_batch_takes_every_rollout_once(script):
+    batch = {
+        "obs": torch.arange(6.0).expand(4, 6),  # [T + 1, B]: the rollout's index
+        "core_state": torch.arange(6.0).expand(2, 6)[:, :, None],  # [2, B, 1]
+        "policy_version": torch.arange(6),  # [B]
+    }
+    shares = script.split_batch(batch, 3)
+    assert len(shares) == 3
+    seen = sorted(i for share in shares for i in share["policy_version"].tolist())
+    assert seen == list(range(6))
+    for share in shares:
+        assert share["obs"].shape == (4, 2) and share["core_state"].shape == (2, 2, 1)
+        assert torch.equal(share["obs"][0], share["policy_version"].float())
+        assert torch.equal(share["core_state"][1, :, 0], share["policy_version"].float())
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+@pytest.mark.parametrize("global_step, horizon, rate", [(0, None, 6e-4), (500, None, 3e-4), (500, 4000, 5.25e-4),
+                                                        (5000, 4000, 0.0)])  # fmt: skip
+def test_learning_rate_anneals_over_its_horizon(script, global_step, horizon, rate):
+    """--anneal-lr takes 6e-4 linearly to 0 over --anneal-lr-timesteps (default --total-timesteps = 1000 here), and
+    stays at 0 past it."""
+    args, agent, optimizer, batch = setup(script, total_timesteps=1000, anneal_lr_timesteps=horizon)
+    stats = script.learn(agent, optimizer, batch, args, global_step=global_step)
+    assert stats["charts/learning_rate"] == pytest.approx(rate)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(rate)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_a_pass_that_goes_non_finite_applies_nothing_of_the_batch(script, monkeypatch):
+    """The infinite loss comes on pass 2 of 3, after pass 1's step was applied: the parameters and the optimizer state
+    go back to those from before the batch, and the error names the pass."""
+    args, agent, optimizer, batch = setup(script, update_epochs=3, num_minibatches=1)
+    script.learn(agent, optimizer, batch, args, global_step=0)  # an optimizer state to restore
+    before = state(agent, optimizer)
+    calls = counting_loss(script, monkeypatch, bad_call=2)
+    with pytest.raises(FloatingPointError, match=r"^not finite \(loss\) on pass 2$"):
+        script.learn(agent, optimizer, batch, args, global_step=0)
+    assert len(calls) == 2
+    assert_same_state(before, state(agent, optimizer))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+@pytest.mark.parametrize("update_epochs", [1, 2])
+def test_a_step_that_blows_the_weights_up_is_undone(script, update_epochs):
+    """A finite gradient times a learning rate of 1e30 gives finite weights whose outputs overflow: not applied."""
+    args, agent, optimizer, batch = setup(script, learning_rate=1e30, anneal_lr=False, update_epochs=update_epochs)
+    before = state(agent, optimizer)
+    where = " on pass 1" if update_epochs > 1 else ""
+    with pytest.raises(FloatingPointError) as error:
+        script.learn(agent, optimizer, batch, args, global_step=0)
+    assert str(error.value) == f"not finite after its step{where} (the network's outputs: the step blew the weights up)"
+    assert_same_state(before, state(agent, optimizer))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_stats_may_be_floats_ints_or_0d_tensors(script, monkeypatch):
+    extra = lambda call: {"stats/float": 0.5 * call, "stats/int": call, "stats/bool": torch.tensor(call == 1)}  # noqa: E731
+    args, agent, optimizer, batch = setup(script, update_epochs=2)
+    counting_loss(script, monkeypatch, extra=extra)
+    stats = script.learn(agent, optimizer, batch, args, global_step=0)
+    assert (stats["stats/float"], stats["stats/int"], stats["stats/bool"]) == (0.75, 1.5, 0.5)
+    assert all(type(value) is float for value in stats.values())
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+@pytest.mark.parametrize(
+    "value, kind",
+    [(torch.zeros(3), "Tensor (3,)"), (torch.zeros(1, 1), "Tensor (1, 1)"), ("high", "str 'high'")],
+    ids=["vector", "1x1", "str"],
+)
+def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatch, value, kind):
+    args, agent, optimizer, batch = setup(script)
+    counting_loss(script, monkeypatch, extra=lambda call: {"stats/mine": value})
+    before = state(agent, optimizer)
+    with pytest.raises(ValueError) as error:
+        script.learn(agent, optimizer, batch, args, global_step=0)
+    assert str(error.value) == (
+        f"compute_loss's stat 'stats/mine' is {kind}: a stat must be a float, an int or a 0-d tensor (reduce it, e.g. "
+        "with .mean())"
+    )
+    assert_same_state(before, state(agent, optimizer))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(update_epochs=0), "error: --update-epochs must be positive, got 0"),
+        (dict(num_minibatches=-1), "error: --num-minibatches must be positive, got -1"),
+        (dict(anneal_lr_timesteps=0), "error: --anneal-lr-timesteps must be positive, got 0"),
+        (
+            dict(batch_size=8, num_minibatches=3),
+            "error: --num-minibatches 3 does not divide --batch-size 8: each minibatch is an equal share of the batch's "
+            "rollouts",
+        ),
+    ],
+    ids=["epochs", "minibatches", "horizon", "divide"],
+)
+def test_bad_pass_flags_are_one_error_before_anything_starts(script, flags, message):
+    with pytest.raises(SystemExit) as exit:
+        script.check_args(script.Args(env_id="CartPole-v1", **flags))
+    assert exit.value.code == message
+
+
+@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
+@pytest.mark.parametrize("update_epochs", [1, 2])
+def test_resuming_with_a_blowing_up_learning_rate_keeps_the_checkpoint(tmp_path, script, update_epochs):
+    """Resuming a good checkpoint under --learning-rate 1e30: the first update's step is finite but its weights overflow
+    the network's outputs. One error line naming it, no traceback, exit 1, and checkpoint.pt keeps the good weights."""
+    run_dir = train(script, "CartPole-v1", 80, FLAGS[script], tmp_path)
+    path = os.path.join(run_dir, "checkpoint.pt")
+    good = torch.load(path, weights_only=True)
+    flags = [*FLAGS[script], "--learning-rate", 1e30, "--update-epochs", update_epochs, "--resume", path]
+    result = run(script, "--env-id", "CartPole-v1", "--total-timesteps", 160, *flags, cwd=tmp_path)
+    where = " on pass 1" if update_epochs > 1 else ""
+    assert error_line(result) == (
+        f"error: update 3 at global_step=80 is not finite after its step{where} (the network's outputs: the step blew "
+        "the weights up): not applied, the checkpoint keeps the parameters before it; lower --learning-rate or check the "
+        "rewards; stopping the run"
+    )
+    checkpoint = torch.load(path, weights_only=True)
+    assert (checkpoint["global_step"], checkpoint["num_updates"]) == (80, 2)
+    assert all(torch.equal(checkpoint["model"][key], good["model"][key]) for key in good["model"])
+    for saved, kept in zip(checkpoint["optimizer"]["state"].values(), good["optimizer"]["state"].values(), strict=True):
+        assert all(torch.equal(saved[key], kept[key]) for key in kept)
