@@ -478,9 +478,13 @@ def split_batch(batch, num_minibatches):
     ]
 
 
+class StatError(ValueError):
+    """A stat of compute_loss's that cannot be logged: the run stops with one error line naming it, nothing applied."""
+
+
 def scalar_stats(stats, device):
     """compute_loss's stats as 0-d float32 tensors on `device`: each may be a float, an int or a 0-d tensor. Raises
-    ValueError naming a stat of another kind, before anything is applied."""
+    StatError naming a stat of another kind, before anything is applied."""
     checked = {}
     for key, value in stats.items():
         try:
@@ -488,7 +492,7 @@ def scalar_stats(stats, device):
         except (TypeError, ValueError, RuntimeError):
             value = None
         if value is None or value.dim() != 0:
-            raise ValueError(
+            raise StatError(
                 f"compute_loss's stat {key!r} is {type(stats[key]).__name__} "
                 f"{tuple(stats[key].shape) if hasattr(stats[key], 'shape') else stats[key]!r}: a stat must be a float, an "
                 "int or a 0-d tensor (reduce it, e.g. with .mean())"
@@ -973,6 +977,10 @@ if __name__ == "__main__":
                             f"{e}: not applied, the checkpoint keeps the parameters before it; lower "
                             "--learning-rate or check the rewards"
                         )
+                        stop.set()
+                        return
+                    except StatError as e:
+                        learner_errors.append(f"{e}; update {progress.num_updates + 1} not applied")
                         stop.set()
                         return
                     actor_agent.load_state_dict(agent.state_dict())

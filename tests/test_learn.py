@@ -3,6 +3,7 @@ its promise that a batch is applied whole or not at all (a non-finite gradient o
 weights up, restores the parameters and the optimizer state from before the batch)."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 import impala_mono
 import impala_poly
 from helpers import CARTPOLE_FLAGS as FLAGS
-from helpers import error_line, run, train
+from helpers import ROOT, error_line, run, scalars, train
 from test_loss import A, rollout_batch
 
 SCRIPTS = [impala_mono, impala_poly]
@@ -205,3 +206,33 @@ def test_resuming_with_a_blowing_up_learning_rate_keeps_the_checkpoint(tmp_path,
     assert all(torch.equal(checkpoint["model"][key], good["model"][key]) for key in good["model"])
     for saved, kept in zip(checkpoint["optimizer"]["state"].values(), good["optimizer"]["state"].values(), strict=True):
         assert all(torch.equal(saved[key], kept[key]) for key in kept)
+
+
+def edited_copy(tmp_path, script, old, new):
+    """A copy of `script` (and vtrace.py beside it) in tmp_path/code with `old` replaced by `new`: a user's edit."""
+    os.makedirs(tmp_path / "code", exist_ok=True)
+    with open(os.path.join(ROOT, script)) as f:
+        source = f.read()
+    assert source.count(old) == 1
+    with open(tmp_path / "code" / script, "w") as f:
+        f.write(source.replace(old, new))
+    shutil.copy(os.path.join(ROOT, "vtrace.py"), tmp_path / "code")
+    return str(tmp_path / "code" / script)
+
+
+@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
+def test_a_stat_added_to_compute_loss_is_logged_or_named(tmp_path, script):
+    """A user's edit to compute_loss: a float and an int stat reach TensorBoard with no other edit; a vector stat stops
+    the run before its first update with one error line naming it."""
+    old = '        "stats/value": values[:-1].mean(),\n'
+    path = edited_copy(tmp_path, script, old, old + '        "stats/my_float": 0.25,\n        "stats/my_int": 3,\n')
+    run_dir = train(path, "CartPole-v1", 80, FLAGS[script], tmp_path)
+    assert scalars(run_dir, "stats/my_float") == [(40, 0.25), (80, 0.25)]
+    assert scalars(run_dir, "stats/my_int") == [(40, 3.0), (80, 3.0)]
+
+    path = edited_copy(tmp_path, script, old, old + '        "stats/my_vector": values.mean(0),\n')
+    result = run(path, "--env-id", "CartPole-v1", "--total-timesteps", 80, *FLAGS[script], cwd=tmp_path / "code")
+    assert error_line(result) == (
+        "error: compute_loss's stat 'stats/my_vector' is Tensor (4,): a stat must be a float, an int or a 0-d tensor "
+        "(reduce it, e.g. with .mean()); update 1 not applied; stopping the run"
+    )
