@@ -2,6 +2,7 @@
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
 
@@ -142,3 +143,19 @@ def breakout_batch(agent, T=20, B=8, seed=0):
     if agent.lstm is not None:
         batch["core_state"] = 0.1 * torch.randn(2, B, agent.lstm.hidden_size, generator=torch.Generator().manual_seed(seed))
     return batch
+
+
+def edited_copy(tmp_path, script, old, new):
+    """A copy of `script` (and vtrace.py beside it) in tmp_path/code with each `old` replaced by its `new` (lists for
+    several edits; each `old` must occur once): a user's edit. Returns the copy's path."""
+    os.makedirs(tmp_path / "code", exist_ok=True)
+    with open(os.path.join(ROOT, script)) as f:
+        source = f.read()
+    edits = [(old, new)] if isinstance(old, str) else list(zip(old, new, strict=True))
+    for before, after in edits:
+        assert source.count(before) == 1, before
+        source = source.replace(before, after)
+    with open(tmp_path / "code" / script, "w") as f:
+        f.write(source)
+    shutil.copy(os.path.join(ROOT, "vtrace.py"), tmp_path / "code")
+    return str(tmp_path / "code" / script)

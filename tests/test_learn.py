@@ -3,7 +3,6 @@ its promise that a batch is applied whole or not at all (a non-finite gradient o
 weights up, restores the parameters and the optimizer state from before the batch)."""
 
 import os
-import shutil
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch
 import impala_mono
 import impala_poly
 from helpers import CARTPOLE_FLAGS as FLAGS
-from helpers import ROOT, error_line, run, scalars, train
+from helpers import edited_copy, error_line, run, scalars, train
 from test_loss import A, rollout_batch
 
 SCRIPTS = [impala_mono, impala_poly]
@@ -206,18 +205,6 @@ def test_resuming_with_a_blowing_up_learning_rate_keeps_the_checkpoint(tmp_path,
     assert all(torch.equal(checkpoint["model"][key], good["model"][key]) for key in good["model"])
     for saved, kept in zip(checkpoint["optimizer"]["state"].values(), good["optimizer"]["state"].values(), strict=True):
         assert all(torch.equal(saved[key], kept[key]) for key in kept)
-
-
-def edited_copy(tmp_path, script, old, new):
-    """A copy of `script` (and vtrace.py beside it) in tmp_path/code with `old` replaced by `new`: a user's edit."""
-    os.makedirs(tmp_path / "code", exist_ok=True)
-    with open(os.path.join(ROOT, script)) as f:
-        source = f.read()
-    assert source.count(old) == 1
-    with open(tmp_path / "code" / script, "w") as f:
-        f.write(source.replace(old, new))
-    shutil.copy(os.path.join(ROOT, "vtrace.py"), tmp_path / "code")
-    return str(tmp_path / "code" / script)
 
 
 @pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])

@@ -1,0 +1,62 @@
+"""A user's ordinary edits, each made in a copy of a script as a user would make it, and the outcome they must get: a
+new flag is covered by the resume warning with no other edit, and a new `Agent` argument is passed in one place."""
+
+import os
+
+import pytest
+import torch
+
+from helpers import CARTPOLE_FLAGS as FLAGS
+from helpers import edited_copy, run, train
+
+# A new learning flag, added to Args' learning block as a user would (both scripts have the same block).
+NEW_FLAG = (
+    "    gamma: float = 0.99\n",
+    '    my_coef: float = 1.0\n    """a new loss term\'s weight"""\n    gamma: float = 0.99\n',
+)
+
+
+@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
+def test_a_new_flag_is_covered_by_the_resume_warning(tmp_path, script):
+    """A flag added to Args and nowhere else: resuming under another value names it in the warning, as every flag that
+    is not run-only (paths, tracking, video, threads)."""
+    path = edited_copy(tmp_path, script, *NEW_FLAG)
+    run_dir = train(path, "CartPole-v1", 40, FLAGS[script], tmp_path)
+    checkpoint = os.path.join(run_dir, "checkpoint.pt")
+    flags = [*FLAGS[script], "--resume", checkpoint, "--my-coef", 2.0, "--checkpoint-interval", 60]
+    result = run(path, "--env-id", "CartPole-v1", "--total-timesteps", 80, *flags, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: resuming")]
+    assert warnings == [
+        f"warning: resuming {checkpoint} under other flags than it was trained with: --total-timesteps 80 (trained with "
+        "40), --my-coef 2.0 (trained with 1.0); pass the training values to continue the same run"
+    ]
+
+
+@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
+def test_a_new_agent_argument_is_one_edit_in_make_agent(tmp_path, script):
+    """A width for the classic-control MLPs, from a new flag: Agent and mlp take it, make_agent passes it, and the
+    run (training, checkpoint and evaluation) builds the narrower network with no edit below the algorithm."""
+    old = [
+        NEW_FLAG[0],
+        '    def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False, bf16=False):\n',
+        "            self.actor = mlp(core_size, num_actions, std=0.01)\n"
+        "            self.critic = mlp(core_size, 1, std=1.0)\n",
+        "    return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16)\n",
+    ]
+    new = [
+        '    mlp_width: int = 256\n    """units of the classic-control MLPs"""\n' + NEW_FLAG[0],
+        '    def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False, bf16=False, mlp_width=256):\n',
+        "            self.actor = mlp(core_size, num_actions, std=0.01, hidden=mlp_width)\n"
+        "            self.critic = mlp(core_size, 1, std=1.0, hidden=mlp_width)\n",
+        "    return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16, args.mlp_width)\n",
+    ]
+    path = edited_copy(tmp_path, script, old, new)
+    run_dir = train(path, "CartPole-v1", 40, [*FLAGS[script], "--mlp-width", 32], tmp_path)
+    checkpoint = os.path.join(run_dir, "checkpoint.pt")
+    model = torch.load(checkpoint, weights_only=True)["model"]
+    assert model["actor.0.weight"].shape == (32, 4) and model["critic.2.weight"].shape == (32, 32)
+    result = run(path, "--env-id", "CartPole-v1", "--mlp-width", 32, "--eval-checkpoint", checkpoint, "--eval-episodes", 1,
+                 cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("CartPole-v1: mean return ")
