@@ -63,7 +63,8 @@ class Args:
     """run the Atari network's forward in bfloat16 (autocast; parameters, optimizer and loss stay float32); default: on
     where the hardware runs bf16 natively. Classic-control MLPs always run in float32 (bf16 made them slower)"""
     env_id: str = "Pong-v5"
-    """an Atari id as in EnvPool (`Pong-v5`, `Breakout-v5`, ...) or a gymnasium classic-control id (`CartPole-v1`)"""
+    """an Atari id as in EnvPool (`Pong-v5`, `Breakout-v5`, ...; EnvPool's preprocessing on ale-py) or any gymnasium id
+    with discrete actions and vector or image observations (`CartPole-v1`; `my_module:MyEnv-v0` imports my_module)"""
     total_timesteps: int = 50_000_000
     """total environment steps over all actors (an Atari step is 4 frames)"""
 
@@ -151,12 +152,23 @@ def is_atari(env_id):
 
 def make_env(args):
     """An env that resets itself on the step after an episode ends, ignoring that step's action (as EnvPool does).
-    Seed it with its first `reset(seed=...)`."""
+    Seed it with its first `reset(seed=...)`. Atari ids get EnvPool's preprocessing (AtariEnv); any other gymnasium id
+    is made as it is (`my_module:MyEnv-v0` imports my_module first, where MyEnv-v0 registers itself), its images
+    turned channels-first."""
     if is_atari(args.env_id):
         env = AtariEnv(args.env_id, args.episodic_life, args.repeat_action_probability)
     else:
         env = gym.make(args.env_id)
+        space = env.observation_space
+        if is_hwc(space):
+            channels_first = gym.spaces.Box(np.moveaxis(space.low, -1, 0), np.moveaxis(space.high, -1, 0), dtype=space.dtype)
+            env = gym.wrappers.TransformObservation(env, lambda obs: np.moveaxis(obs, -1, 0), channels_first)
     return gym.wrappers.Autoreset(env)
+
+
+def is_hwc(space):
+    """An image [H, W, C] (C at most 4, H more), as gymnasium's pixel envs give; else [C, H, W] is assumed."""
+    return isinstance(space, gym.spaces.Box) and len(space.shape) == 3 and space.shape[-1] <= 4 < space.shape[0]
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -197,18 +209,20 @@ def mlp(in_features, out_features, std, hidden=256):
 
 
 class Agent(nn.Module):
-    """Torso (Nature CNN or IMPALA ResNet for frames), optional LSTM core, policy and baseline heads. Vector
-    observations get separate policy and value MLPs of 256 ReLU units (README, implementation details)."""
+    """Torso (Nature CNN or IMPALA ResNet for images [C, H, W]), optional LSTM core, policy and baseline heads. Vector
+    observations get separate policy and value MLPs of 256 ReLU units (README, implementation details). Observations
+    are divided by `obs_scale` (default: 255 for images, 1 for vectors)."""
 
-    def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False, bf16=False):
+    def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False, bf16=False, obs_scale=None):
         super().__init__()
         self.dtype = torch.bfloat16 if bf16 else torch.float32  # what the forward computes in
+        self.obs_scale = obs_scale or (1.0 if len(obs_shape) == 1 else 255.0)
         if len(obs_shape) == 1:
-            self.obs_scale, hidden = 1.0, obs_shape[0]
+            hidden = obs_shape[0]
             self.torso = nn.Sequential()  # empty: the identity
         else:
             if network == "shallow":
-                self.obs_scale, hidden = 255.0, 512
+                hidden = 512
                 convs = [
                     layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)),
                     nn.ReLU(),
@@ -219,7 +233,7 @@ class Agent(nn.Module):
                     nn.Flatten(),
                 ]
             else:
-                self.obs_scale, hidden = 255.0, 256
+                hidden = 256
                 convs = [ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32), nn.Flatten(), nn.ReLU()]
             with torch.no_grad():  # the flattened size, from a dummy frame through the layers
                 flat_size = nn.Sequential(*convs)(torch.zeros(1, *obs_shape)).shape[1]
@@ -270,8 +284,10 @@ class Agent(nn.Module):
 
 def make_agent(args, observation_space, action_space):
     """The agent for the env's spaces and the flags: the one place that builds it, so a new `Agent` argument (a flag,
-    a size from the spaces) is passed here alone."""
-    return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16)
+    a size from the spaces) is passed here alone. Bytes (uint8 frames) are scaled to [0, 1]; other observations go in
+    as they are."""
+    obs_scale = 255.0 if observation_space.dtype == np.uint8 else 1.0
+    return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16, obs_scale)
 
 
 # ALGO LOGIC: acting. Each actor process steps its envs with the shared CPU agent into shared-memory rollout slots
@@ -718,10 +734,27 @@ def evaluate(args, agent, obs_space, num_actions, version):
 
 def check_args(args):
     """Exits with a one-line error on bad input, before anything is started."""
-    if not (is_atari(args.env_id) or args.env_id in gym.registry):
+    try:
+        env = make_env(args)
+    except Exception as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         sys.exit(
-            f"error: unknown --env-id {args.env_id!r}: use an Atari id as in EnvPool (Pong-v5, Breakout-v5, ...) "
-            "or a gymnasium classic-control id (CartPole-v1, Acrobot-v1, ...)"
+            f"error: cannot make --env-id {args.env_id!r} ({reason}): use an Atari id as in EnvPool (Pong-v5, ...), a "
+            "registered gymnasium id (CartPole-v1, ...), or my_module:MyEnv-v0 to import the module that registers it"
+        )
+    obs_space, action_space = env.observation_space, env.action_space
+    env.close()
+    if not isinstance(action_space, gym.spaces.Discrete):
+        sys.exit(f"error: --env-id {args.env_id} acts in {action_space}: impala_mono.py learns discrete actions (Discrete)")
+    if not (isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) in (1, 3)):
+        sys.exit(
+            f"error: --env-id {args.env_id} observes {type(obs_space).__name__}{obs_space.shape or ''}: "
+            "impala_mono.py takes a Box of a vector (one dimension) or an image ([H, W, C] or [C, H, W])"
+        )
+    if len(obs_space.shape) == 3 and args.network == "shallow" and min(obs_space.shape[1:]) < 36:
+        sys.exit(
+            f"error: --env-id {args.env_id} gives images of {obs_space.shape[1]}x{obs_space.shape[2]} (channels first): "
+            "the Nature CNN (--network shallow) needs at least 36x36; use --network deep"
         )
     for name in (
         "total_timesteps",
@@ -754,7 +787,7 @@ def check_args(args):
             sys.exit(f"error: --{flag.replace('_', '-')} needs {packages}: pip install {packages}")
     if args.capture_video and not is_atari(args.env_id):
         sys.exit(f"error: --capture-video records Atari games; {args.env_id} has no screen to record")
-    args.bf16 = args.bf16 and is_atari(args.env_id)  # the classic-control MLPs ran slower in bf16
+    args.bf16 = args.bf16 and len(obs_space.shape) == 3  # the classic-control MLPs ran slower in bf16
     if args.num_torch_threads is None:  # bf16's cheaper network wants fewer threads (docs/experiments.md, threads)
         args.num_torch_threads = 1 if args.bf16 else 2
     num_envs = args.num_actors * args.num_envs_per_actor

@@ -65,7 +65,8 @@ class Args:
     """run the Atari network's forward in bfloat16 (autocast; parameters, optimizer and loss stay float32); default: on
     where the hardware runs bf16 natively. Classic-control MLPs always run in float32 (bf16 made them slower)"""
     env_id: str = "Pong-v5"
-    """an Atari id as in EnvPool (`Pong-v5`, `Breakout-v5`, ...) or a gymnasium classic-control id (`CartPole-v1`)"""
+    """an Atari id as in EnvPool (`Pong-v5`, `Breakout-v5`, ...) or a gymnasium classic-control id (`CartPole-v1`):
+    EnvPool's envs only (impala_mono.py runs any gymnasium env)"""
     total_timesteps: int = 50_000_000
     """total environment steps over all actors (an Atari step is 4 frames)"""
 
@@ -204,18 +205,20 @@ def mlp(in_features, out_features, std, hidden=256):
 
 
 class Agent(nn.Module):
-    """Torso (Nature CNN or IMPALA ResNet for frames), optional LSTM core, policy and baseline heads. Vector
-    observations get separate policy and value MLPs of 256 ReLU units (README, implementation details)."""
+    """Torso (Nature CNN or IMPALA ResNet for images [C, H, W]), optional LSTM core, policy and baseline heads. Vector
+    observations get separate policy and value MLPs of 256 ReLU units (README, implementation details). Observations
+    are divided by `obs_scale` (default: 255 for images, 1 for vectors)."""
 
-    def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False, bf16=False):
+    def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False, bf16=False, obs_scale=None):
         super().__init__()
         self.dtype = torch.bfloat16 if bf16 else torch.float32  # what the forward computes in
+        self.obs_scale = obs_scale or (1.0 if len(obs_shape) == 1 else 255.0)
         if len(obs_shape) == 1:
-            self.obs_scale, hidden = 1.0, obs_shape[0]
+            hidden = obs_shape[0]
             self.torso = nn.Sequential()  # empty: the identity
         else:
             if network == "shallow":
-                self.obs_scale, hidden = 255.0, 512
+                hidden = 512
                 convs = [
                     layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)),
                     nn.ReLU(),
@@ -226,7 +229,7 @@ class Agent(nn.Module):
                     nn.Flatten(),
                 ]
             else:
-                self.obs_scale, hidden = 255.0, 256
+                hidden = 256
                 convs = [ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32), nn.Flatten(), nn.ReLU()]
             with torch.no_grad():  # the flattened size, from a dummy frame through the layers
                 flat_size = nn.Sequential(*convs)(torch.zeros(1, *obs_shape)).shape[1]
@@ -277,8 +280,10 @@ class Agent(nn.Module):
 
 def make_agent(args, observation_space, action_space):
     """The agent for the env's spaces and the flags: the one place that builds it, so a new `Agent` argument (a flag,
-    a size from the spaces) is passed here alone."""
-    return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16)
+    a size from the spaces) is passed here alone. Bytes (uint8 frames) are scaled to [0, 1]; other observations go in
+    as they are."""
+    obs_scale = 255.0 if observation_space.dtype == np.uint8 else 1.0
+    return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16, obs_scale)
 
 
 # ALGO LOGIC: acting. The envs' async batches go through one batched inference; finished rollouts go to the learner
@@ -676,7 +681,8 @@ def check_args(args):
     if not supported:
         sys.exit(
             f"error: unknown --env-id {args.env_id!r}: use an Atari id as in EnvPool (Pong-v5, Breakout-v5, ...) "
-            "or a gymnasium classic-control id (CartPole-v1, Acrobot-v1, ...)"
+            "or a gymnasium classic-control id (CartPole-v1, Acrobot-v1, ...): EnvPool's envs only; impala_mono.py runs any "
+            "gymnasium env"
         )
     for name in (
         "total_timesteps",

@@ -14,10 +14,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(script, *args, cwd, timeout=600):
-    """Runs `python script args...` in `cwd` (its runs/ folder lands there); returns the CompletedProcess."""
+def run(script, *args, cwd, timeout=600, env=None):
+    """Runs `python script args...` in `cwd` (its runs/ folder lands there), with `env` added to the environment;
+    returns the CompletedProcess."""
     return subprocess.run(
-        [sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout
+        [sys.executable, os.path.join(ROOT, script), *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -63,10 +69,10 @@ def error_line(result):
     return lines[0]
 
 
-def train(script, env_id, total_timesteps, flags, cwd, timeout=600, precision=None):
+def train(script, env_id, total_timesteps, flags, cwd, timeout=600, precision=None, env=None):
     """Trains `script` on `env_id` for `total_timesteps` steps in `cwd` (which holds no run yet); returns its run folder.
     With `precision`, checks that the run's first line reports that the network's forward runs in it."""
-    result = run(script, "--env-id", env_id, "--total-timesteps", total_timesteps, *flags, cwd=cwd, timeout=timeout)
+    result = run(script, "--env-id", env_id, "--total-timesteps", total_timesteps, *flags, cwd=cwd, timeout=timeout, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = run_dirs(cwd)
     first_line = result.stdout.splitlines()[0]

@@ -152,7 +152,7 @@ def test_interrupt_saves_and_exits_cleanly(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--env-id", "Pongg-v5"], "error: unknown --env-id 'Pongg-v5'"),
+        (["--env-id", "Pongg-v5"], "error: cannot make --env-id 'Pongg-v5' (Environment `Pongg` doesn't exist."),
         (["--env-id", "CartPole-v1", "--num-actors", 0], "error: --num-actors must be positive, got 0"),
         (["--env-id", "CartPole-v1", "--unroll-length", -1], "error: --unroll-length must be positive, got -1"),
         (["--env-id", "CartPole-v1", "--num-buffers", 10], "error: --num-buffers 10 is too small"),
