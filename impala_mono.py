@@ -908,7 +908,8 @@ if __name__ == "__main__":
     if checkpoint is not None:
         args.run_name = os.path.basename(os.path.dirname(os.path.abspath(args.resume or args.eval_checkpoint)))
     if not args.run_name:
-        args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        env_name = args.env_id.replace("/", "-")  # ALE/Pong-v5: one folder, not two
+        args.run_name = f"{env_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
 
     # TRY NOT TO MODIFY: seeding
     random.seed(args.seed)
