@@ -14,6 +14,7 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import collections
+import contextlib
 import copy
 import importlib.util
 import queue
@@ -164,11 +165,6 @@ def make_env(args):
             channels_first = gym.spaces.Box(np.moveaxis(space.low, -1, 0), np.moveaxis(space.high, -1, 0), dtype=space.dtype)
             env = gym.wrappers.TransformObservation(env, lambda obs: np.moveaxis(obs, -1, 0), channels_first)
     return gym.wrappers.Autoreset(env)
-
-
-def is_hwc(space):
-    """An image [H, W, C] (C at most 4, H more), as gymnasium's pixel envs give; else [C, H, W] is assumed."""
-    return isinstance(space, gym.spaces.Box) and len(space.shape) == 3 and space.shape[-1] <= 4 < space.shape[0]
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -494,6 +490,53 @@ def split_batch(batch, num_minibatches):
     ]
 
 
+def learn(agent, optimizer, batch, args, global_step):
+    """One update on a batch of rollouts [T + 1, B, ...]: `update_epochs` passes over it, each of `num_minibatches`
+    optimizer steps: the loss (V-trace under the current parameters), its gradient clipped to `max_grad_norm`, a step.
+    Returns the stats as floats, each the mean over the steps (with several passes also `stats/rho_clipped_pass<k>`,
+    pass k's). All of the batch or none: if a gradient is not finite, or the network's outputs are not after a step,
+    the parameters and the optimizer state go back to what they were before the batch and FloatingPointError is raised."""
+    horizon = args.anneal_lr_timesteps or args.total_timesteps
+    learning_rate = args.learning_rate * (max(0.0, 1.0 - global_step / horizon) if args.anneal_lr else 1.0)
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate
+    steps = []  # each optimizer step's stats
+    with all_or_nothing(agent, optimizer):
+        for epoch in range(args.update_epochs):
+            for minibatch in split_batch(batch, args.num_minibatches):
+                loss, stats = compute_loss(agent, minibatch, args)
+                stats = scalar_stats(stats, loss.device)
+                optimizer.zero_grad()
+                loss.backward()
+                grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
+                where = f" on pass {epoch + 1}" if args.update_epochs > 1 else ""
+                if not torch.isfinite(grad_norm):
+                    bad = [key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)]
+                    raise FloatingPointError(f"not finite ({', '.join(bad) or 'the gradient'}){where}")
+                optimizer.step()
+                if not outputs_finite(agent, batch):
+                    raise FloatingPointError(
+                        f"not finite after its step{where} (the network's outputs: the step blew the weights up)"
+                    )
+                stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": (grad_norm > args.max_grad_norm).float()})
+                steps.append(stats)
+    stats = {key: torch.stack([step[key] for step in steps]).mean() for key in steps[0]}
+    if args.update_epochs > 1 and "stats/rho_clipped" in stats:  # how far each pass drifted from the acting policy
+        passes = torch.stack([step["stats/rho_clipped"] for step in steps]).view(args.update_epochs, -1).mean(1)
+        for epoch, value in enumerate(passes, 1):
+            stats[f"stats/rho_clipped_pass{epoch}"] = value
+    stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one device sync
+    stats["charts/learning_rate"] = learning_rate
+    return stats
+
+
+# ======================================================================================================================
+# MACHINERY: what a researcher does not need to touch. Precision detection, EnvPool's Atari preprocessing on ale-py,
+# video, evaluation, argument checks, checkpoint I/O and the learner's counters, then the main program: actor
+# processes, learner threads, supervision, logging and shutdown.
+# ======================================================================================================================
+
+
 class StatError(ValueError):
     """A stat of compute_loss's that cannot be logged: the run stops with one error line naming it, nothing applied."""
 
@@ -527,57 +570,17 @@ def outputs_finite(agent, batch):
     return torch.isfinite(output["logits"]).all() & torch.isfinite(output["values"]).all()
 
 
-def learn(agent, optimizer, batch, args, global_step):
-    """One update on a batch of rollouts [T + 1, B, ...]: `update_epochs` passes over it, each of `num_minibatches`
-    optimizer steps: the loss (V-trace under the current parameters), its gradient clipped to `max_grad_norm`, a step.
-    Returns the stats as floats, each the mean over the steps (with several passes also `stats/rho_clipped_pass<k>`,
-    pass k's). All of the batch or none: if a gradient is not finite, or the network's outputs are not after a
-    step, the parameters and the optimizer state go back to what they were before the batch and FloatingPointError is
-    raised."""
-    horizon = args.anneal_lr_timesteps or args.total_timesteps
-    learning_rate = args.learning_rate * (max(0.0, 1.0 - global_step / horizon) if args.anneal_lr else 1.0)
-    for group in optimizer.param_groups:
-        group["lr"] = learning_rate
+@contextlib.contextmanager
+def all_or_nothing(agent, optimizer):
+    """An update applied whole or not at all: if the block raises FloatingPointError or StatError, the parameters and
+    the optimizer state go back to what they were before it."""
     before = copy.deepcopy(agent.state_dict()), copy.deepcopy(optimizer.state_dict())
-    steps = []  # each optimizer step's stats
     try:
-        for epoch in range(args.update_epochs):
-            for minibatch in split_batch(batch, args.num_minibatches):
-                loss, stats = compute_loss(agent, minibatch, args)
-                stats = scalar_stats(stats, loss.device)
-                optimizer.zero_grad()
-                loss.backward()
-                grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
-                where = f" on pass {epoch + 1}" if args.update_epochs > 1 else ""
-                if not torch.isfinite(grad_norm):
-                    bad = [key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)]
-                    raise FloatingPointError(f"not finite ({', '.join(bad) or 'the gradient'}){where}")
-                optimizer.step()
-                if not outputs_finite(agent, batch):
-                    raise FloatingPointError(
-                        f"not finite after its step{where} (the network's outputs: the step blew the weights up)"
-                    )
-                stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": (grad_norm > args.max_grad_norm).float()})
-                steps.append(stats)
-    except FloatingPointError:
+        yield
+    except (FloatingPointError, StatError):
         agent.load_state_dict(before[0])
         optimizer.load_state_dict(before[1])
         raise
-    stats = {key: torch.stack([step[key] for step in steps]).mean() for key in steps[0]}
-    if args.update_epochs > 1 and "stats/rho_clipped" in stats:  # how far each pass drifted from the acting policy
-        passes = torch.stack([step["stats/rho_clipped"] for step in steps]).view(args.update_epochs, -1).mean(1)
-        for epoch, value in enumerate(passes, 1):
-            stats[f"stats/rho_clipped_pass{epoch}"] = value
-    stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one device sync
-    stats["charts/learning_rate"] = learning_rate
-    return stats
-
-
-# ======================================================================================================================
-# MACHINERY: what a researcher does not need to touch. Precision detection, EnvPool's Atari preprocessing on ale-py,
-# video, evaluation, argument checks, checkpoint I/O and the learner's counters, then the main program: actor
-# processes, learner threads, supervision, logging and shutdown.
-# ======================================================================================================================
 
 
 def bf16_native():
@@ -658,6 +661,11 @@ class AtariEnv(gym.Env):
         frame = np.rint(self.resize_rows @ screen @ self.resize_cols.T).astype(np.uint8)
         self.stack[:-1] = frame if fill else self.stack[1:]
         self.stack[-1] = frame
+
+
+def is_hwc(space):
+    """An image [H, W, C] (C at most 4, H more), as gymnasium's pixel envs give; else [C, H, W] is assumed."""
+    return isinstance(space, gym.spaces.Box) and len(space.shape) == 3 and space.shape[-1] <= 4 < space.shape[0]
 
 
 def area_resize_matrix(src, dst):

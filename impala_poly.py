@@ -429,6 +429,59 @@ def split_batch(batch, num_minibatches):
     ]
 
 
+def learn(agent, optimizer, batch, args, global_step, world_size=1):
+    """One update on a batch of rollouts [T + 1, B, ...]: `update_epochs` passes over it, each of `num_minibatches`
+    optimizer steps: the loss (V-trace under the current parameters), its gradient averaged over the ranks (every rank
+    calls this with its own batch, in step), clipped to `max_grad_norm`, a step. Returns the stats as floats, each the
+    mean over the steps (with several passes also `stats/rho_clipped_pass<k>`, pass k's). All of the batch or none:
+    if a gradient is not finite, or the network's outputs are not after a step, the parameters and the optimizer state
+    go back to what they were before the batch and FloatingPointError is raised, on every rank alike."""
+    horizon = args.anneal_lr_timesteps or args.total_timesteps
+    learning_rate = args.learning_rate * (max(0.0, 1.0 - global_step / horizon) if args.anneal_lr else 1.0)
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate
+    steps = []  # each optimizer step's stats
+    with all_or_nothing(agent, optimizer):
+        for epoch in range(args.update_epochs):
+            for minibatch in split_batch(batch, args.num_minibatches):
+                loss, stats = compute_loss(agent, minibatch, args)
+                stats = scalar_stats(stats, loss.device)
+                optimizer.zero_grad()
+                loss.backward()
+                if world_size > 1:
+                    all_reduce_gradients(agent, world_size)
+                grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
+                where = f" on pass {epoch + 1}" if args.update_epochs > 1 else ""
+                if not torch.isfinite(grad_norm):
+                    bad = [key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)]
+                    raise FloatingPointError(f"not finite ({', '.join(bad) or 'the gradient'}){where}")
+                optimizer.step()
+                finite = outputs_finite(agent, batch).float()
+                if world_size > 1:
+                    dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank restores and raises alike
+                if not finite:
+                    raise FloatingPointError(
+                        f"not finite after its step{where} (the network's outputs: the step blew the weights up)"
+                    )
+                stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": (grad_norm > args.max_grad_norm).float()})
+                steps.append(stats)
+    stats = {key: torch.stack([step[key] for step in steps]).mean() for key in steps[0]}
+    if args.update_epochs > 1 and "stats/rho_clipped" in stats:  # how far each pass drifted from the acting policy
+        passes = torch.stack([step["stats/rho_clipped"] for step in steps]).view(args.update_epochs, -1).mean(1)
+        for epoch, value in enumerate(passes, 1):
+            stats[f"stats/rho_clipped_pass{epoch}"] = value
+    stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one device sync
+    stats["charts/learning_rate"] = learning_rate
+    return stats
+
+
+# ======================================================================================================================
+# MACHINERY: what a researcher does not need to touch. Precision detection, video, evaluation, argument checks,
+# checkpoint I/O, the learner's counters and the ranks' stop agreement, then the main program: threads, supervision,
+# logging, restarts and shutdown.
+# ======================================================================================================================
+
+
 class StatError(ValueError):
     """A stat of compute_loss's that cannot be logged: the run stops with one error line naming it, nothing applied."""
 
@@ -462,81 +515,17 @@ def outputs_finite(agent, batch):
     return torch.isfinite(output["logits"]).all() & torch.isfinite(output["values"]).all()
 
 
-def all_reduce_gradients(agent, world_size):
-    """Averages the gradients over the ranks, in one all_reduce. Every rank sends the same layout: a parameter with no
-    gradient on a rank (a head its batch did not reach) counts as zeros there, and one with no gradient on any rank
-    keeps none, as in a single-process update."""
-    params = list(agent.parameters())
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-    has_grad = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-    flat = torch.cat([g.flatten() for g in grads] + [has_grad])
-    dist.all_reduce(flat)
-    reduced_has_grad = flat[-len(params) :].tolist()
-    for p, grad, count in zip(params, flat[: -len(params)].split([p.numel() for p in params]), reduced_has_grad):
-        if count == 0:
-            p.grad = None
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)  # in the parameter's memory layout (channels-last for convolutions)
-        p.grad.copy_(grad.view_as(p) / world_size)
-
-
-def learn(agent, optimizer, batch, args, global_step, world_size=1):
-    """One update on a batch of rollouts [T + 1, B, ...]: `update_epochs` passes over it, each of `num_minibatches`
-    optimizer steps: the loss (V-trace under the current parameters), its gradient averaged over the ranks (every rank
-    calls this with its own batch, in step), clipped to `max_grad_norm`, a step. Returns the stats as floats, each the
-    mean over the steps (with several passes also `stats/rho_clipped_pass<k>`, pass k's). All of the batch or none:
-    if a gradient is not finite, or the network's outputs are not after a step, the parameters and the
-    optimizer state go back to what they were before the batch and FloatingPointError is raised, on every rank alike."""
-    horizon = args.anneal_lr_timesteps or args.total_timesteps
-    learning_rate = args.learning_rate * (max(0.0, 1.0 - global_step / horizon) if args.anneal_lr else 1.0)
-    for group in optimizer.param_groups:
-        group["lr"] = learning_rate
+@contextlib.contextmanager
+def all_or_nothing(agent, optimizer):
+    """An update applied whole or not at all: if the block raises FloatingPointError or StatError, the parameters and
+    the optimizer state go back to what they were before it."""
     before = copy.deepcopy(agent.state_dict()), copy.deepcopy(optimizer.state_dict())
-    steps = []  # each optimizer step's stats
     try:
-        for epoch in range(args.update_epochs):
-            for minibatch in split_batch(batch, args.num_minibatches):
-                loss, stats = compute_loss(agent, minibatch, args)
-                stats = scalar_stats(stats, loss.device)
-                optimizer.zero_grad()
-                loss.backward()
-                if world_size > 1:
-                    all_reduce_gradients(agent, world_size)
-                grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
-                where = f" on pass {epoch + 1}" if args.update_epochs > 1 else ""
-                if not torch.isfinite(grad_norm):
-                    bad = [key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)]
-                    raise FloatingPointError(f"not finite ({', '.join(bad) or 'the gradient'}){where}")
-                optimizer.step()
-                finite = outputs_finite(agent, batch).float()
-                if world_size > 1:
-                    dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank restores and raises alike
-                if not finite:
-                    raise FloatingPointError(
-                        f"not finite after its step{where} (the network's outputs: the step blew the weights up)"
-                    )
-                stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": (grad_norm > args.max_grad_norm).float()})
-                steps.append(stats)
-    except FloatingPointError:
+        yield
+    except (FloatingPointError, StatError):
         agent.load_state_dict(before[0])
         optimizer.load_state_dict(before[1])
         raise
-    stats = {key: torch.stack([step[key] for step in steps]).mean() for key in steps[0]}
-    if args.update_epochs > 1 and "stats/rho_clipped" in stats:  # how far each pass drifted from the acting policy
-        passes = torch.stack([step["stats/rho_clipped"] for step in steps]).view(args.update_epochs, -1).mean(1)
-        for epoch, value in enumerate(passes, 1):
-            stats[f"stats/rho_clipped_pass{epoch}"] = value
-    stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one device sync
-    stats["charts/learning_rate"] = learning_rate
-    return stats
-
-
-# ======================================================================================================================
-# MACHINERY: what a researcher does not need to touch. Precision detection, video, evaluation, argument checks,
-# checkpoint I/O, the learner's counters and the ranks' stop agreement, then the main program: threads, supervision,
-# logging, restarts and shutdown.
-# ======================================================================================================================
 
 
 def bf16_native():
@@ -830,6 +819,25 @@ class Progress:
 
     global_step: int = 0
     num_updates: int = 0
+
+
+def all_reduce_gradients(agent, world_size):
+    """Averages the gradients over the ranks, in one all_reduce. Every rank sends the same layout: a parameter with no
+    gradient on a rank (a head its batch did not reach) counts as zeros there, and one with no gradient on any rank
+    keeps none, as in a single-process update."""
+    params = list(agent.parameters())
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    has_grad = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    flat = torch.cat([g.flatten() for g in grads] + [has_grad])
+    dist.all_reduce(flat)
+    reduced_has_grad = flat[-len(params) :].tolist()
+    for p, grad, count in zip(params, flat[: -len(params)].split([p.numel() for p in params]), reduced_has_grad):
+        if count == 0:
+            p.grad = None
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)  # in the parameter's memory layout (channels-last for convolutions)
+        p.grad.copy_(grad.view_as(p) / world_size)
 
 
 def any_rank_stops(stop, device):
