@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import envpool
+import pytest
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
@@ -66,6 +67,7 @@ def run_files(cwd):
     return {path: os.path.getmtime(path) for path in glob.glob(os.path.join(cwd, "runs", "atari", "**"), recursive=True)}
 
 
+@pytest.mark.slow
 def test_runs_skip_and_resume(tmp_path):
     games = ["--env-ids", "Pong-v5", "Breakout-v5", "--seeds", 1, 2, "--total-timesteps", 200]
     result = bench(*games, "--jobs", 2, *TINY, cwd=tmp_path)

@@ -85,6 +85,7 @@ def my_envs(tmp_path, monkeypatch):
     return {"PYTHONPATH": str(tmp_path / "code")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "env_id, flags, first_weight",
     [

@@ -9,6 +9,8 @@ import torch
 from helpers import CARTPOLE_FLAGS as FLAGS
 from helpers import edited_copy, run, train
 
+pytestmark = pytest.mark.slow  # each edit is tried in a real run
+
 # A new learning flag, added to Args' learning block as a user would (both scripts have the same block).
 NEW_FLAG = (
     "    gamma: float = 0.99\n",

@@ -12,6 +12,7 @@ from helpers import CARTPOLE_FLAGS as FLAGS
 from helpers import error_line, run, scalars, train
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
 def test_non_finite_update_stops_the_run_and_keeps_the_checkpoint(tmp_path, script):
     """--vf-coef 1e38 makes the first loss of the resumed run infinite: that update is not applied, the run exits
@@ -61,6 +62,7 @@ def test_save_checkpoint_keeps_the_previous_one_and_refuses_non_finite(tmp_path,
     assert sorted(os.listdir(tmp_path)) == ["checkpoint.prev.pt", "checkpoint.pt"]  # no temporary file left
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
 def test_stalled_actors_stop_the_run(tmp_path, script):
     """One CartPole env with rollouts of 20,000 steps takes 10-20 s to fill a batch of 4 (~5k steps/s here; with

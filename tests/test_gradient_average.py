@@ -74,6 +74,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_two_ranks_average_their_gradients(tmp_path, one_thread):
     mp.start_processes(rank_main, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]

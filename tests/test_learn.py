@@ -184,6 +184,7 @@ def test_bad_pass_flags_are_one_error_before_anything_starts(script, flags, mess
     assert exit.value.code == message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
 @pytest.mark.parametrize("update_epochs", [1, 2])
 def test_resuming_with_a_blowing_up_learning_rate_keeps_the_checkpoint(tmp_path, script, update_epochs):
@@ -207,6 +208,7 @@ def test_resuming_with_a_blowing_up_learning_rate_keeps_the_checkpoint(tmp_path,
         assert all(torch.equal(saved[key], kept[key]) for key in kept)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
 def test_a_stat_added_to_compute_loss_is_logged_or_named(tmp_path, script):
     """A user's edit to compute_loss: a float and an int stat reach TensorBoard with no other edit; a vector stat stops

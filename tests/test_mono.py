@@ -19,6 +19,7 @@ SCRIPT = "impala_mono.py"
 SMALL = ["--num-actors", 1, "--num-envs-per-actor", 2, "--unroll-length", 10, "--batch-size", 2, "--num-torch-threads", 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("game", ["Pong", "Breakout"])
 def test_atari_env_matches_envpool(game):
     """Same game, same actions: our ale-py preprocessing gives EnvPool's frames, rewards and episode ends."""
@@ -60,6 +61,7 @@ def test_cartpole_learns(tmp_path):
     assert reached is not None and reached <= 300_000, (reached, last)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lstm, flags, precision", UPDATES_THEN_EVAL_CASES)
 def test_atari_updates_then_eval(tmp_path, lstm, flags, precision):
     """A few updates on Pong-v5, then eval mode plays a full game from the saved checkpoint."""
@@ -76,6 +78,7 @@ def test_atari_updates_then_eval(tmp_path, lstm, flags, precision):
     assert game_return == int(game_return) and -21 <= game_return <= -15, game_return
 
 
+@pytest.mark.slow
 def test_resume_continues_the_run(tmp_path):
     steps = 10 * 2 * 2
     run_dir = train(SCRIPT, "Breakout-v5", steps, SMALL, tmp_path)
@@ -106,6 +109,7 @@ def children(pid):
         return [int(child) for child in f.read().split()]
 
 
+@pytest.mark.slow
 def test_killed_actor_stops_the_run(tmp_path):
     process = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, SCRIPT), "--env-id", "CartPole-v1"],
@@ -129,6 +133,7 @@ def test_killed_actor_stops_the_run(tmp_path):
     assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z" for pid in actors)
 
 
+@pytest.mark.slow
 def test_interrupt_saves_and_exits_cleanly(tmp_path):
     process = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, SCRIPT), "--env-id", "CartPole-v1"],
@@ -164,6 +169,7 @@ def test_bad_input(tmp_path, flags, message):
     assert not os.path.exists(tmp_path / "runs")
 
 
+@pytest.mark.slow
 def test_checkpoint_for_another_env_or_network(tmp_path):
     # --bf16 leaves the classic-control MLPs in float32 (they ran slower in bf16), and the run says so.
     path = os.path.join(train(SCRIPT, "CartPole-v1", 640, ["--bf16"], tmp_path, precision="float32"), "checkpoint.pt")
@@ -195,6 +201,7 @@ def test_too_little_shared_memory_is_a_clear_error(monkeypatch, capsys):
     )
 
 
+@pytest.mark.slow
 def test_learner_threads_stop_at_the_budget(tmp_path):
     """Three learner threads, a budget of 100 steps and updates of 40: the run makes exactly the 3 updates that start
     below the budget (at steps 0, 40 and 80), each with a positive learning rate. A thread that waited for the update

@@ -190,6 +190,7 @@ def test_cartpole_learns(tmp_path):
     assert reached is not None and reached <= 300_000, (reached, last)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lstm, flags, precision", UPDATES_THEN_EVAL_CASES)
 def test_atari_updates_then_eval(tmp_path, lstm, flags, precision):
     """A few updates on Breakout-v5, then eval mode plays a full game from the saved checkpoint."""
@@ -258,6 +259,7 @@ def torchrun(tmp_path, flags, max_restarts=0, tee=False):
     )
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes(tmp_path):
     """Two ranks on Breakout-v5: the image network's channels-last weights go through the gradient average and the
     end-of-run check that the ranks' parameters are identical; global_step counts the steps of both ranks."""
@@ -325,6 +327,7 @@ def launch_two_nodes(tmp_path, flags, max_restarts=0):
     return processes
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes(tmp_path):
     processes = launch_two_nodes(tmp_path, TORCHRUN_FLAGS)
     try:
@@ -356,6 +359,7 @@ ELASTIC_FLAGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_torchrun_restarts_from_the_checkpoint(tmp_path, nodes):
     """Under `torchrun --max-restarts 1` (one node of 2 processes, or two nodes of one), rank 1 is killed once a
@@ -397,6 +401,7 @@ def test_torchrun_restarts_from_the_checkpoint(tmp_path, nodes):
     check_run(str(run_dir), updates=total // per_update, steps_per_update=per_update)
 
 
+@pytest.mark.slow
 def test_torchrun_non_finite_update_stops_every_rank(tmp_path):
     """A resumed torchrun run whose first update is not finite stops on both ranks, each with the error line, and leaves
     the checkpoint as it was."""
@@ -478,6 +483,7 @@ def test_bad_input(tmp_path, flags, message):
     assert not os.path.exists(tmp_path / "runs")
 
 
+@pytest.mark.slow
 def test_dead_node_stops_the_other(tmp_path):
     """The worker of node 1 is killed mid-run: rank 0's all_reduce fails at once (gloo sees the closed connection), and
     it stops with an error and a checkpoint instead of waiting for the dead peer."""

@@ -55,6 +55,7 @@ def offline_run(path):
     return run.run_id, run.display_name, run.project, config, history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_track_logs_the_scalars_and_a_resumed_run_continues_the_wandb_run(tmp_path, script, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -101,6 +102,7 @@ def check_video(path, version, game_return=None):
     return int(match[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_capture_video_records_the_first_game_in_training_and_every_game_in_eval(tmp_path, script):
     """3000 steps of two envs: env 0 ends its first game (random Pong: 850-1300 steps) and starts more, of which none
