@@ -147,10 +147,6 @@ class Args:
     """the W&B run's id, kept in the checkpoint so that a resumed run continues it"""
 
 
-def is_atari(env_id):
-    return f"ALE/{env_id}" in gym.registry
-
-
 def make_env(args):
     """An env that resets itself on the step after an episode ends, ignoring that step's action (as EnvPool does).
     Seed it with its first `reset(seed=...)`. Atari ids get EnvPool's preprocessing (AtariEnv); any other gymnasium id
@@ -160,10 +156,7 @@ def make_env(args):
         env = AtariEnv(args.env_id, args.episodic_life, args.repeat_action_probability)
     else:
         env = gym.make(args.env_id)
-        space = env.observation_space
-        if is_hwc(space):
-            channels_first = gym.spaces.Box(np.moveaxis(space.low, -1, 0), np.moveaxis(space.high, -1, 0), dtype=space.dtype)
-            env = gym.wrappers.TransformObservation(env, lambda obs: np.moveaxis(obs, -1, 0), channels_first)
+        env = channels_first(env) if is_hwc(env.observation_space) else env
     return gym.wrappers.Autoreset(env)
 
 
@@ -279,52 +272,19 @@ class Agent(nn.Module):
 
 
 def make_agent(args, observation_space, action_space):
-    """The agent for the env's spaces and the flags: the one place that builds it, so a new `Agent` argument (a flag,
-    a size from the spaces) is passed here alone. Bytes (uint8 frames) are scaled to [0, 1]; other observations go in
-    as they are."""
+    """The agent for the env's spaces and the flags, built here alone: a new `Agent` argument is passed here. uint8
+    observations (frames) are scaled to [0, 1]; others go in as they are."""
     obs_scale = 255.0 if observation_space.dtype == np.uint8 else 1.0
     return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16, obs_scale)
 
 
 # ALGO LOGIC: acting. Each actor process steps its envs with the shared CPU agent into shared-memory rollout slots
-def create_buffers(args, obs_space, num_actions, core_state):
-    """Shared-memory rollout slots: [num_buffers, T + 1, ...] per step, [num_buffers, ...] per rollout."""
-    T = args.unroll_length
-    specs = dict(
-        obs=((T + 1, *obs_space.shape), torch.from_numpy(np.zeros(0, obs_space.dtype)).dtype),
-        reward=((T + 1,), torch.float32),  # reward received on arriving at obs[t], unclipped
-        terminated=((T + 1,), torch.bool),  # obs[t] is terminal (a lost life counts with --episodic-life)
-        truncated=((T + 1,), torch.bool),  # obs[t] is the last of an episode cut by the time limit
-        action=((T + 1,), torch.int64),  # action taken on obs[t]
-        logits=((T + 1, num_actions), torch.float32),  # behavior policy logits on obs[t]
-        policy_version=((), torch.int64),  # learner updates done when the rollout started
-    )
-    if core_state:
-        specs["core_state"] = ((len(core_state), *core_state[0].shape[1:]), torch.float32)  # before obs[0]
-    needed = sum(args.num_buffers * int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs.values())
-    free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else needed
-    if needed > free:
-        sys.exit(
-            f"error: the rollout buffers need {needed / 2**20:.0f} MiB of shared memory but /dev/shm has "
-            f"{free / 2**20:.0f} MiB free: lower --num-buffers or enlarge /dev/shm (docker run --shm-size)"
-        )
-    return {key: torch.zeros(args.num_buffers, *shape, dtype=dtype).share_memory_() for key, (shape, dtype) in specs.items()}
-
-
+# (create_buffers, below the fence: [num_buffers, T + 1, ...] per key)
 def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop):
     """Steps `num_envs_per_actor` envs with the shared CPU `agent`, filling one buffer slot per env per rollout."""
     try:
         torch.set_num_threads(1)
         parent = os.getppid()
-
-        def get_free_index():  # None once the run stops or the process that started the actor has died
-            while not stop.is_set() and os.getppid() == parent:
-                try:
-                    return free_queue.get(timeout=1.0)
-                except queue.Empty:
-                    pass
-            return None
-
         K, T = args.num_envs_per_actor, args.unroll_length
         seed = args.seed + actor_index * K
         torch.manual_seed(seed)
@@ -340,15 +300,7 @@ def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_que
         )
         first = torch.ones(K, dtype=torch.bool)  # step["obs"] starts an episode
         core_state = agent.initial_state(K)  # before the current step
-        game_return, game_length = np.zeros(K), np.zeros(K, dtype=np.int64)
-        recorder = None
-        if args.capture_video and actor_index == 0:  # env 0's games; in eval mode all of them
-            recorder = GameRecorder(
-                envs[0].unwrapped.ale.getScreenRGB,
-                os.path.join("videos", args.run_name),
-                0 if args.eval_checkpoint else args.video_interval * 60,
-            )
-            recorder.step(True, [], policy_version.value)  # the first game's reset screen
+        games = GameTracker(args, actor_index, envs, episode_queue, policy_version)
 
         def act(core_state):
             with torch.no_grad():
@@ -359,7 +311,7 @@ def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_que
 
         next_core_state = act(core_state)
         while True:
-            indices = [get_free_index() for _ in range(K)]
+            indices = [free_slot(free_queue, stop, parent) for _ in range(K)]
             if None in indices:
                 break
             for k, index in enumerate(indices):
@@ -374,25 +326,14 @@ def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_que
                         obs, reward, terminated, truncated, info = env.step(step["action"][k].item())
                         step["obs"][k] = torch.from_numpy(obs)
                         step["reward"][k], step["terminated"][k], step["truncated"][k] = reward, terminated, truncated
-                        counted = not first[k]  # the reset step belongs to no episode
-                        game_over = counted and (truncated or info.get("terminated", terminated))  # not just a life
-                        if counted:
-                            game_return[k] += reward
-                            game_length[k] += 1
-                        if recorder is not None and k == 0:
-                            ended = [(game_return[0], game_length[0])] if game_over else []
-                            recorder.step(first[0] and game_length[0] == 0, ended, policy_version.value)
-                        if game_over:
-                            episode_queue.put((game_return[k], game_length[k]))
-                            game_return[k], game_length[k] = 0.0, 0
+                        games.step(k, first[k], reward, truncated or info.get("terminated", terminated))  # not just a life
                     core_state, next_core_state = next_core_state, act(next_core_state)
                 for k, index in enumerate(indices):
                     for key, value in step.items():
                         buffers[key][index, t] = value[k]
             for index in indices:
                 full_queue.put(index)
-        if recorder is not None:
-            recorder.close()
+        games.close()
     except KeyboardInterrupt:
         pass
     except Exception:
@@ -402,26 +343,6 @@ def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_que
 
 
 # ALGO LOGIC: learning
-def get_batch(args, buffers, free_queue, full_queue, stop, device):
-    """B full rollouts, time-major on the learner's device; their slots go straight back to the actors. None once the
-    run stops."""
-    indices = []
-    while len(indices) < args.batch_size:
-        try:
-            indices.append(full_queue.get(timeout=0.5))
-        except queue.Empty:
-            if stop.is_set():
-                return None
-    batch = {key: buffer[indices] for key, buffer in buffers.items()}  # [B, ...]
-    for index in indices:
-        free_queue.put(index)
-    # [T + 1, B, ...] per step, core_state [2, B, hidden], policy_version [B]
-    return {
-        key: (value.transpose(0, 1) if value.dim() > 1 else value).to(device, non_blocking=True)
-        for key, value in batch.items()
-    }
-
-
 def compute_loss(agent, batch, args):
     """V-trace actor-critic loss on rollouts [T + 1, B, ...].
 
@@ -478,18 +399,6 @@ def make_optimizer(args, agent):
     return torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
 
 
-def split_batch(batch, num_minibatches):
-    """The batch's rollouts in `num_minibatches` random equal shares (the batch itself for one): each [T + 1, B / n, ...]
-    per step, policy_version [B / n], core_state [2, B / n, hidden]."""
-    if num_minibatches == 1:
-        return [batch]
-    order = torch.randperm(batch["obs"].shape[1], device=batch["obs"].device)
-    return [
-        {key: value[rollouts] if value.dim() == 1 else value[:, rollouts] for key, value in batch.items()}
-        for rollouts in order.chunk(num_minibatches)
-    ]
-
-
 def learn(agent, optimizer, batch, args, global_step):
     """One update on a batch of rollouts [T + 1, B, ...]: `update_epochs` passes over it, each of `num_minibatches`
     optimizer steps: the loss (V-trace under the current parameters), its gradient clipped to `max_grad_norm`, a step.
@@ -537,6 +446,18 @@ def learn(agent, optimizer, batch, args, global_step):
 # ======================================================================================================================
 
 
+def split_batch(batch, num_minibatches):
+    """The batch's rollouts in `num_minibatches` random equal shares (the batch itself for one): each [T + 1, B / n, ...]
+    per step, policy_version [B / n], core_state [2, B / n, hidden]."""
+    if num_minibatches == 1:
+        return [batch]
+    order = torch.randperm(batch["obs"].shape[1], device=batch["obs"].device)
+    return [
+        {key: value[rollouts] if value.dim() == 1 else value[:, rollouts] for key, value in batch.items()}
+        for rollouts in order.chunk(num_minibatches)
+    ]
+
+
 class StatError(ValueError):
     """A stat of compute_loss's that cannot be logged: the run stops with one error line naming it, nothing applied."""
 
@@ -581,6 +502,10 @@ def all_or_nothing(agent, optimizer):
         agent.load_state_dict(before[0])
         optimizer.load_state_dict(before[1])
         raise
+
+
+def is_atari(env_id):
+    return f"ALE/{env_id}" in gym.registry
 
 
 def bf16_native():
@@ -668,6 +593,13 @@ def is_hwc(space):
     return isinstance(space, gym.spaces.Box) and len(space.shape) == 3 and space.shape[-1] <= 4 < space.shape[0]
 
 
+def channels_first(env):
+    """The env with its [H, W, C] images turned [C, H, W], as the convolutions take them."""
+    space = env.observation_space
+    transposed = gym.spaces.Box(np.moveaxis(space.low, -1, 0), np.moveaxis(space.high, -1, 0), dtype=space.dtype)
+    return gym.wrappers.TransformObservation(env, lambda obs: np.moveaxis(obs, -1, 0), transposed)
+
+
 def area_resize_matrix(src, dst):
     """[dst, src] weights of an area (box-filter) resize: each output averages the inputs it covers."""
     edges = np.arange(dst + 1) * src / dst
@@ -712,6 +644,94 @@ class GameRecorder:
         if self.writer is not None:
             self.writer.close()
             os.remove(self.path)
+
+
+def create_buffers(args, obs_space, num_actions, core_state):
+    """Shared-memory rollout slots: [num_buffers, T + 1, ...] per step, [num_buffers, ...] per rollout."""
+    T = args.unroll_length
+    specs = dict(
+        obs=((T + 1, *obs_space.shape), torch.from_numpy(np.zeros(0, obs_space.dtype)).dtype),
+        reward=((T + 1,), torch.float32),  # reward received on arriving at obs[t], unclipped
+        terminated=((T + 1,), torch.bool),  # obs[t] is terminal (a lost life counts with --episodic-life)
+        truncated=((T + 1,), torch.bool),  # obs[t] is the last of an episode cut by the time limit
+        action=((T + 1,), torch.int64),  # action taken on obs[t]
+        logits=((T + 1, num_actions), torch.float32),  # behavior policy logits on obs[t]
+        policy_version=((), torch.int64),  # learner updates done when the rollout started
+    )
+    if core_state:
+        specs["core_state"] = ((len(core_state), *core_state[0].shape[1:]), torch.float32)  # before obs[0]
+    needed = sum(args.num_buffers * int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs.values())
+    free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else needed
+    if needed > free:
+        sys.exit(
+            f"error: the rollout buffers need {needed / 2**20:.0f} MiB of shared memory but /dev/shm has "
+            f"{free / 2**20:.0f} MiB free: lower --num-buffers or enlarge /dev/shm (docker run --shm-size)"
+        )
+    return {key: torch.zeros(args.num_buffers, *shape, dtype=dtype).share_memory_() for key, (shape, dtype) in specs.items()}
+
+
+def free_slot(free_queue, stop, parent):
+    """A free rollout slot's index for an actor; None once the run stops or `parent` (the process that started the actor)
+    has died."""
+    while not stop.is_set() and os.getppid() == parent:
+        try:
+            return free_queue.get(timeout=1.0)
+        except queue.Empty:
+            pass
+    return None
+
+
+def get_batch(args, buffers, free_queue, full_queue, stop, device):
+    """B full rollouts, time-major on the learner's device; their slots go straight back to the actors. None once the
+    run stops."""
+    indices = []
+    while len(indices) < args.batch_size:
+        try:
+            indices.append(full_queue.get(timeout=0.5))
+        except queue.Empty:
+            if stop.is_set():
+                return None
+    batch = {key: buffer[indices] for key, buffer in buffers.items()}  # [B, ...]
+    for index in indices:
+        free_queue.put(index)
+    # [T + 1, B, ...] per step, core_state [2, B, hidden], policy_version [B]
+    return {
+        key: (value.transpose(0, 1) if value.dim() > 1 else value).to(device, non_blocking=True)
+        for key, value in batch.items()
+    }
+
+
+class GameTracker:
+    """Full-game returns and lengths of one actor's envs, sent to the main process as games end (the reset step after a
+    final obs belongs to no game); env 0's games also go to the video recorder (--capture-video, actor 0)."""
+
+    def __init__(self, args, actor_index, envs, episode_queue, policy_version):
+        self.returns, self.lengths = np.zeros(len(envs)), np.zeros(len(envs), dtype=np.int64)
+        self.episode_queue, self.policy_version, self.recorder = episode_queue, policy_version, None
+        if args.capture_video and actor_index == 0:  # env 0's games; in eval mode all of them
+            self.recorder = GameRecorder(
+                envs[0].unwrapped.ale.getScreenRGB,
+                os.path.join("videos", args.run_name),
+                0 if args.eval_checkpoint else args.video_interval * 60,
+            )
+            self.recorder.step(True, [], policy_version.value)  # the first game's reset screen
+
+    def step(self, k, first, reward, game_over):
+        """Env k's step: `first` where it is the reset step after a final obs, `game_over` where it ended a game."""
+        game_over = game_over and not first
+        if not first:
+            self.returns[k] += reward
+            self.lengths[k] += 1
+        if self.recorder is not None and k == 0:
+            ended = [(self.returns[0], self.lengths[0])] if game_over else []
+            self.recorder.step(first and self.lengths[0] == 0, ended, self.policy_version.value)
+        if game_over:
+            self.episode_queue.put((self.returns[k], self.lengths[k]))
+            self.returns[k], self.lengths[k] = 0.0, 0
+
+    def close(self):
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 def evaluate(args, agent, obs_space, num_actions, version):

@@ -80,8 +80,7 @@ class Args:
     queue_size: int = 2
     """the most batches waiting for the learner; when it is full the envs wait, which bounds the policy lag"""
     num_torch_threads: Optional[int] = None
-    """torch intra-op threads, shared by batched inference and the learner; default: as `num_threads`'s default in float32,
-    half of it with bf16"""
+    """torch intra-op threads (inference and learner); default: as `num_threads`'s default, half of it with bf16"""
 
     # Learning arguments: the same names, defaults and docs in both scripts (tests/test_twins.py)
     unroll_length: int = 20
@@ -149,14 +148,10 @@ class Args:
     """the W&B run's id, kept in the checkpoint so that a resumed run continues it"""
 
 
-def is_atari(env_id):
-    return "repeat_action_probability" in envpool.make_spec(env_id).config._fields
-
-
 def make_env(args, num_envs, batch_size, seed, num_threads):
-    """An EnvPool pool; env i is seeded with seed + i. Atari keeps EnvPool's preprocessing (30 no-ops, 4-frame skip,
-    84x84 gray, 4 stacked frames, fire reset, 27,000-step cap). After a final obs an env returns the reset obs on its
-    next step and ignores that step's action."""
+    """An EnvPool pool, env i seeded with seed + i; Atari keeps EnvPool's preprocessing (30 no-ops, 4-frame skip, 84x84
+    gray, 4 stacked frames, fire reset, 27,000-step cap). After a final obs an env returns the reset obs next, ignoring
+    that step's action."""
     kwargs = {"num_envs": num_envs, "batch_size": batch_size, "num_threads": num_threads, "seed": seed}
     if is_atari(args.env_id):  # rewards stay unclipped here: the loss clips them (--reward-clip), the logs do not
         kwargs.update(
@@ -279,18 +274,16 @@ class Agent(nn.Module):
 
 
 def make_agent(args, observation_space, action_space):
-    """The agent for the env's spaces and the flags: the one place that builds it, so a new `Agent` argument (a flag,
-    a size from the spaces) is passed here alone. Bytes (uint8 frames) are scaled to [0, 1]; other observations go in
-    as they are."""
+    """The agent for the env's spaces and the flags, built here alone: a new `Agent` argument is passed here. uint8
+    observations (frames) are scaled to [0, 1]; others go in as they are."""
     obs_scale = 255.0 if observation_space.dtype == np.uint8 else 1.0
     return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16, obs_scale)
 
 
 # ALGO LOGIC: acting. The envs' async batches go through one batched inference; finished rollouts go to the learner
 class ActingPolicy:
-    """The copy of the agent the envs act with, on the learner's device; the learner swaps new parameters in after
-    every update. The lock keeps inference from reading half-copied parameters. With bf16 the copy holds bf16
-    parameters: autocast would otherwise cast the weights anew for every inference batch."""
+    """The copy of the agent the envs act with, on the learner's device, given new parameters after every update
+    under a lock (no half-copied read). With bf16 it holds bf16 parameters, which autocast would cast anew per batch."""
 
     def __init__(self, agent, version=0):
         self.agent, self.version, self.lock = copy.deepcopy(agent).to(agent.dtype), version, threading.Lock()
@@ -346,13 +339,7 @@ def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device,
         rollouts += assembler.add(env_ids, step, start)
         envs.send(action, env_ids)
         put_start = time.time()
-        while len(rollouts) >= args.batch_size and not stop.is_set():
-            batch = stack_rollouts(rollouts[: args.batch_size], pin_memory=device.type == "cuda")
-            rollouts = rollouts[args.batch_size :]
-            while not stop.is_set():
-                with contextlib.suppress(queue.Full):
-                    batch_queue.put(batch, timeout=0.5)
-                    break
+        rollouts = send_batches(rollouts, args, batch_queue, stop, device)
         timings["recv"] += act_start - recv_start
         timings["act"] += put_start - act_start
         timings["queue"] += time.time() - put_start
@@ -417,25 +404,12 @@ def make_optimizer(args, agent):
     return torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
 
 
-def split_batch(batch, num_minibatches):
-    """The batch's rollouts in `num_minibatches` random equal shares (the batch itself for one): each [T + 1, B / n, ...]
-    per step, policy_version [B / n], core_state [2, B / n, hidden]."""
-    if num_minibatches == 1:
-        return [batch]
-    order = torch.randperm(batch["obs"].shape[1], device=batch["obs"].device)
-    return [
-        {key: value[rollouts] if value.dim() == 1 else value[:, rollouts] for key, value in batch.items()}
-        for rollouts in order.chunk(num_minibatches)
-    ]
-
-
 def learn(agent, optimizer, batch, args, global_step, world_size=1):
-    """One update on a batch of rollouts [T + 1, B, ...]: `update_epochs` passes over it, each of `num_minibatches`
-    optimizer steps: the loss (V-trace under the current parameters), its gradient averaged over the ranks (every rank
-    calls this with its own batch, in step), clipped to `max_grad_norm`, a step. Returns the stats as floats, each the
-    mean over the steps (with several passes also `stats/rho_clipped_pass<k>`, pass k's). All of the batch or none:
-    if a gradient is not finite, or the network's outputs are not after a step, the parameters and the optimizer state
-    go back to what they were before the batch and FloatingPointError is raised, on every rank alike."""
+    """One update on a batch of rollouts [T + 1, B, ...] (every rank calls this with its own batch, in step):
+    `update_epochs` passes, each of `num_minibatches` optimizer steps: the loss (V-trace under the current parameters),
+    its gradient averaged over the ranks, clipped to `max_grad_norm`, a step. Returns the stats as floats, the mean over
+    the steps (and `stats/rho_clipped_pass<k>`). All of the batch or none: if a gradient, or the network's outputs after
+    a step, are not finite, the state from before the batch comes back and FloatingPointError is raised on every rank."""
     horizon = args.anneal_lr_timesteps or args.total_timesteps
     learning_rate = args.learning_rate * (max(0.0, 1.0 - global_step / horizon) if args.anneal_lr else 1.0)
     for group in optimizer.param_groups:
@@ -482,6 +456,18 @@ def learn(agent, optimizer, batch, args, global_step, world_size=1):
 # ======================================================================================================================
 
 
+def split_batch(batch, num_minibatches):
+    """The batch's rollouts in `num_minibatches` random equal shares (the batch itself for one): each [T + 1, B / n, ...]
+    per step, policy_version [B / n], core_state [2, B / n, hidden]."""
+    if num_minibatches == 1:
+        return [batch]
+    order = torch.randperm(batch["obs"].shape[1], device=batch["obs"].device)
+    return [
+        {key: value[rollouts] if value.dim() == 1 else value[:, rollouts] for key, value in batch.items()}
+        for rollouts in order.chunk(num_minibatches)
+    ]
+
+
 class StatError(ValueError):
     """A stat of compute_loss's that cannot be logged: the run stops with one error line naming it, nothing applied."""
 
@@ -526,6 +512,10 @@ def all_or_nothing(agent, optimizer):
         agent.load_state_dict(before[0])
         optimizer.load_state_dict(before[1])
         raise
+
+
+def is_atari(env_id):
+    return "repeat_action_probability" in envpool.make_spec(env_id).config._fields
 
 
 def bf16_native():
@@ -647,6 +637,19 @@ class RolloutAssembler:
             self.starts[key][env_ids[starting]] = value[starting]
         self.t[env_ids] = t + 1
         return rollouts
+
+
+def send_batches(rollouts, args, batch_queue, stop, device):
+    """Every `batch_size` finished rollouts as one batch into the learner's queue, waiting while it is full (until
+    `stop`); returns the rollouts left over."""
+    while len(rollouts) >= args.batch_size and not stop.is_set():
+        batch = stack_rollouts(rollouts[: args.batch_size], pin_memory=device.type == "cuda")
+        rollouts = rollouts[args.batch_size :]
+        while not stop.is_set():
+            with contextlib.suppress(queue.Full):
+                batch_queue.put(batch, timeout=0.5)
+                break
+    return rollouts
 
 
 def stack_rollouts(rollouts, pin_memory):

@@ -15,7 +15,7 @@ TWINS = ["layer_init", "ResidualBlock", "ConvSequence", "mlp", "Agent", "make_ag
          "check_resumable", "Progress", "save_checkpoint"]  # fmt: skip
 # Defined in both scripts but different, each for its own reasons (mono's ale-py envs and actor processes, poly's EnvPool
 # and torch.distributed).
-DIFFERENT = ["Args", "is_atari", "make_env", "learn", "bf16_native", "evaluate", "check_args"]
+DIFFERENT = ["Args", "is_atari", "make_env", "learn", "bf16_native", "evaluate", "check_args", "GameTracker"]
 
 
 def definitions(script):
@@ -139,3 +139,14 @@ def test_a_flag_added_to_one_args_is_caught(tmp_path):
     assert twin_args_problems(paths)[0] == (
         "compute_loss reads args.ppo_clip, defined differently (impala_mono.py: float = 0.2, impala_poly.py: float = 0.1)"
     )
+
+
+@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
+def test_the_algorithm_comes_first(script):
+    """A reader who wants the agent and the loss reads from the top and stops at the end of `learn`: within 450 lines,
+    above the MACHINERY fence."""
+    with open(os.path.join(ROOT, script)) as f:
+        source = f.read()
+    (learn,) = [node for node in ast.parse(source).body if getattr(node, "name", None) == "learn"]
+    fence = source[: source.index("# MACHINERY")].count("\n")
+    assert learn.end_lineno <= 450 and learn.end_lineno < fence, (learn.end_lineno, fence)
