@@ -929,9 +929,9 @@ def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
     return True
 
 
-if __name__ == "__main__":
-    args = tyro.cli(Args)
-    check_args(args)
+def train(args):
+    """Trains (or, with --eval-checkpoint, evaluates) as the flags say: set up the agent, optimizer and writer, start
+    the actor processes and learner threads, supervise them, save on the way out. Returns the exit code."""
     checkpoint = load_checkpoint(args.resume or args.eval_checkpoint, args) if (args.resume or args.eval_checkpoint) else None
     if checkpoint is not None:
         args.run_name = os.path.basename(os.path.dirname(os.path.abspath(args.resume or args.eval_checkpoint)))
@@ -965,7 +965,7 @@ if __name__ == "__main__":
             f"{args.env_id}: mean return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} games "
             f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})"
         )
-        sys.exit(0)
+        return 0
 
     agent.to(device)
     optimizer = make_optimizer(args, agent)  # on the parameters' device
@@ -1130,4 +1130,10 @@ if __name__ == "__main__":
             flush=True,
         )
         writer.close()
-    sys.exit(exit_code)
+    return exit_code
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
+    sys.exit(train(args))

@@ -875,9 +875,10 @@ def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
     return True
 
 
-if __name__ == "__main__":
-    args = tyro.cli(Args)
-    check_args(args)
+def train(args):
+    """Trains (or, with --eval-checkpoint, evaluates) as the flags say, on this rank: set up the agent, optimizer,
+    process group and writer, start the actor and learner threads, supervise them, save on the way out. Returns the
+    exit code."""
 
     # TRY NOT TO MODIFY: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; a plain `python` run is rank 0 of 1
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -929,7 +930,7 @@ if __name__ == "__main__":
             f"{args.env_id}: mean return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} games "
             f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})"
         )
-        sys.exit(0)
+        return 0
 
     optimizer = make_optimizer(args, agent)  # on the parameters' device
     progress = Progress()
@@ -1111,4 +1112,10 @@ if __name__ == "__main__":
             writer.close()
         if world_size > 1:
             dist.destroy_process_group()
-    sys.exit(exit_code)
+    return exit_code
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
+    sys.exit(train(args))
