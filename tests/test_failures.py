@@ -163,3 +163,20 @@ def test_resume_under_other_flags_warns(tmp_path, script, capsys):
         f"warning: resuming {path} under other flags than it was trained with: --total-timesteps 2000 (trained with "
         "1000), --ent-coef 0.02 (trained with 0.01); pass the training values to continue the same run\n"
     )
+
+
+@pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])
+def test_evaluating_another_network_speaks_of_evaluation(tmp_path, script):
+    """--eval-checkpoint with a checkpoint of another network: the refusal says to evaluate it with its network (no word
+    of resuming or of a new run)."""
+    agent = script.Agent((4,), 2)
+    path = str(tmp_path / "checkpoint.pt")
+    assert script.save_checkpoint(path, agent, script.make_optimizer(script.Args(env_id="CartPole-v1"), agent), 40, 1,
+                                  script.Args(env_id="CartPole-v1"))  # fmt: skip
+    torch.save(wider_network(path), path)
+    with pytest.raises(SystemExit) as exit:
+        script.check_resumable(path, torch.load(path, weights_only=True), agent)
+    assert exit.value.code == (
+        f"error: checkpoint {path} holds another network (actor.0.weight differs): evaluate it with the network it was "
+        "trained with"
+    )
