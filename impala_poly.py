@@ -694,6 +694,11 @@ def check_args(args):
     ):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.anneal_lr and args.anneal_lr_timesteps is not None and args.anneal_lr_timesteps < args.total_timesteps:
+        sys.exit(
+            f"error: --total-timesteps {args.total_timesteps} runs past --anneal-lr-timesteps {args.anneal_lr_timesteps}, "
+            "after which the learning rate is 0: raise --anneal-lr-timesteps, or pass --no-anneal-lr"
+        )
     if args.batch_size % args.num_minibatches:
         sys.exit(
             f"error: --num-minibatches {args.num_minibatches} does not divide --batch-size {args.batch_size}: each "

@@ -171,12 +171,17 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         (dict(num_minibatches=-1), "error: --num-minibatches must be positive, got -1"),
         (dict(anneal_lr_timesteps=0), "error: --anneal-lr-timesteps must be positive, got 0"),
         (
+            dict(total_timesteps=2000, anneal_lr_timesteps=1000),
+            "error: --total-timesteps 2000 runs past --anneal-lr-timesteps 1000, after which the learning rate is 0: "
+            "raise --anneal-lr-timesteps, or pass --no-anneal-lr",
+        ),
+        (
             dict(batch_size=8, num_minibatches=3),
             "error: --num-minibatches 3 does not divide --batch-size 8: each minibatch is an equal share of the batch's "
             "rollouts",
         ),
     ],
-    ids=["epochs", "minibatches", "horizon", "divide"],
+    ids=["epochs", "minibatches", "horizon", "past-horizon", "divide"],
 )
 def test_bad_pass_flags_are_one_error_before_anything_starts(script, flags, message):
     with pytest.raises(SystemExit) as exit:
