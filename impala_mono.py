@@ -385,7 +385,8 @@ def compute_loss(agent, batch, args):
         "losses/entropy": entropy.mean(),
         "losses/loss": loss,
         "stats/value": values[:-1].mean(),
-        # the share of steps whose importance weight rho-bar clipped: how far the learning policy drifted from the acting one
+        # the share of steps whose importance weight rho-bar clipped (with rho-bar 1: where the learning policy is likelier
+        # than the acting one to take the action; near half once the two differ at all)
         "stats/rho_clipped": (log_rhos[~done[:-1]] > np.log(args.clip_rho_threshold)).float().mean(),
     }
     for i, activation in enumerate(output["activations"], 1):  # a unit (a conv's channel) 0 on every step learns nothing
