@@ -15,7 +15,7 @@ TWINS = ["layer_init", "ResidualBlock", "ConvSequence", "mlp", "Agent", "make_ag
          "check_resumable", "Progress", "save_checkpoint"]  # fmt: skip
 # Defined in both scripts but different, each for its own reasons (mono's ale-py envs and actor processes, poly's EnvPool
 # and torch.distributed).
-DIFFERENT = ["Args", "is_atari", "make_env", "learn", "bf16_native", "evaluate", "check_args", "GameTracker"]
+DIFFERENT = ["Args", "is_atari", "make_env", "learn", "bf16_native", "evaluate", "check_args", "GameTracker", "train"]
 
 
 def definitions(script):
