@@ -413,13 +413,13 @@ def learn(agent, optimizer, batch, args, global_step):
     steps = []  # each optimizer step's stats
     with all_or_nothing(agent, optimizer):
         for epoch in range(args.update_epochs):
+            where = f" on pass {epoch + 1}" if args.update_epochs > 1 else ""  # for the error messages
             for minibatch in split_batch(batch, args.num_minibatches):
                 loss, stats = compute_loss(agent, minibatch, args)
                 stats = scalar_stats(stats, loss.device)
                 optimizer.zero_grad()
                 loss.backward()
                 grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
-                where = f" on pass {epoch + 1}" if args.update_epochs > 1 else ""
                 if not torch.isfinite(grad_norm):
                     bad = [key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)]
                     raise FloatingPointError(f"not finite ({', '.join(bad) or 'the gradient'}){where}")

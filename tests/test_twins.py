@@ -12,19 +12,23 @@ from helpers import ROOT
 # Written twice on purpose: the same text in both scripts.
 TWINS = ["layer_init", "ResidualBlock", "ConvSequence", "mlp", "Agent", "make_agent", "compute_loss", "make_optimizer",
          "split_batch", "StatError", "scalar_stats", "outputs_finite", "all_or_nothing", "GameRecorder", "load_checkpoint",
-         "check_resumable", "Progress", "save_checkpoint"]  # fmt: skip
+         "check_resumable", "RUN_ONLY_FLAGS", "Progress", "save_checkpoint"]  # fmt: skip
 # Defined in both scripts but different, each for its own reasons (mono's ale-py envs and actor processes, poly's EnvPool
 # and torch.distributed).
 DIFFERENT = ["Args", "is_atari", "make_env", "learn", "bf16_native", "evaluate", "check_args", "GameTracker", "train"]
 
 
 def definitions(script):
-    """{name: source text} of a script's top-level functions and classes."""
+    """{name: source text} of a script's top-level functions, classes and constants."""
     with open(os.path.join(ROOT, script)) as f:
         source = f.read()
     tree = ast.parse(source)
     nodes = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
-    return {node.name: ast.get_source_segment(source, node) for node in nodes}
+    named = {node.name: ast.get_source_segment(source, node) for node in nodes}
+    for node in tree.body:  # module-level constants, such as RUN_ONLY_FLAGS
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            named[node.targets[0].id] = ast.get_source_segment(source, node)
+    return named
 
 
 MONO, POLY = definitions("impala_mono.py"), definitions("impala_poly.py")
