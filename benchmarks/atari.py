@@ -172,14 +172,27 @@ def read_checkpoint(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def cpu_label(cpuinfo, cores):
+    """A CPU as runs.csv records it, from the text of /proc/cpuinfo: its model, core count and the bf16 feature that
+    decides the network's precision and much of its speed: "amx_bf16" (Intel AMX), else "avx512_bf16", else
+    "no bf16". E.g. 'AMD EPYC (2 cores, avx512_bf16)'. None where the text names no model."""
+    lines = cpuinfo.splitlines()
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    if not names:
+        return None
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    bf16 = next((flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags), "no bf16")
+    return f"{names[0]} ({cores} cores, {bf16})"
+
+
 def this_cpu():
-    """This machine's CPU model and core count, as runs.csv records it: e.g. 'Intel(R) Xeon(R) Processor (2 cores)'."""
-    model = platform.processor() or platform.machine()
+    """This machine's CPU, as runs.csv records it (`cpu_label`); where /proc/cpuinfo names no model (not Linux, or some
+    ARM CPUs), the platform's processor name and the core count alone."""
+    cpuinfo = ""
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        model = names[0] if names else model
-    return f"{model} ({os.cpu_count()} cores)"
+            cpuinfo = f.read()
+    return cpu_label(cpuinfo, os.cpu_count()) or f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
 def last_mean(returns):
@@ -387,7 +400,7 @@ def report(args, script):
         for m in machines:
             count = sum(machine(r) == m for r in finished_runs)
             lines.append(f"- {labels[m]}: {m}; {count} run{'s' if count > 1 else ''}")
-    elif machines and machines != ["not recorded"]:
+    elif machines and machines != ["machine not recorded"]:
         lines += ["", f"Every run on one machine: {machines[0]}."]
     lines += atari5_lines(hns_by_seed)
     if unfinished:
@@ -403,13 +416,14 @@ def report(args, script):
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     rows = [r for r in curves if r["env_id"] in env_ids and int(r["global_step"]) <= args.total_timesteps]  # as scored
-    return [os.path.join(args.out, "results.md")] + (plot_curves.plot(rows, WINDOW, args.out) if rows else [])
+    machine_of = {run_key: machine(run) for run_key, run in runs.items()}  # the hours panel: one line per machine
+    return [os.path.join(args.out, "results.md")] + (plot_curves.plot(rows, WINDOW, args.out, machine_of) if rows else [])
 
 
 def machine(run):
-    """The machine a run finished on (CPU, precision), as runs.csv records it; "not recorded" for older rows."""
+    """The machine a run finished on (CPU, precision), as runs.csv records it; "machine not recorded" for older rows."""
     if not run.get("cpu"):
-        return "not recorded"
+        return "machine not recorded"
     return f"{run['cpu']}, {run['precision']}"
 
 

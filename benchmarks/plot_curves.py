@@ -4,9 +4,10 @@
     python benchmarks/plot_curves.py --csv results/curves.csv --out results   # redraw from the CSV alone
 
 Run folders are named `{env_id}__{script}__{seed}__{time}` (as both scripts name them). The runs of one env and
-script are drawn together: each seed's running mean of the last `--window` full-game returns, then the mean over
-seeds with the min-max band, against environment frames (an Atari step is `frame_skip` = 4 frames) and against
-hours of training. A resumed run writes one events file per session; the time between sessions is not counted.
+script are drawn together, against environment frames (an Atari step is `frame_skip` = 4 frames) and against hours of
+training: each seed's running mean of the last `--window` full-game returns as a thin line over its whole length, and
+the mean over seeds as a thick line up to the longest run, a finished seed's last value carried. A resumed run writes
+one events file per session; the time between sessions is not counted.
 """
 
 import argparse
@@ -135,39 +136,72 @@ def markdown(table, window):
     return "\n".join(lines)
 
 
-def plot(rows, window, out):
-    """One PNG per env, returns against frames (left) and hours (right), one line and band per script."""
-    import matplotlib
+def carried(curves, points=200):
+    """Curves [(x, y)] on one grid of `points` x values, from where every curve has a point to where the longest ends.
+    Within its own x range a curve is interpolated; past its end it keeps its last value (as np.interp does), so that
+    the mean over curves reaches the longest one. Returns the grid [points] and the curves' values [len(curves), points].
+    """
+    grid = np.linspace(max(x[0] for x, _ in curves), max(x[-1] for x, _ in curves), points)
+    return grid, np.array([np.interp(grid, x, y) for x, y in curves])
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def draw(ax, curves, color, linestyle, label):
+    """Each curve [(x, y)] as a thin line, and their mean (`carried`) as a thick one with the legend's `label`."""
+    for x, y in curves:
+        ax.plot(x, y, color=color, linestyle=linestyle, linewidth=0.8, alpha=0.35)
+    grid, ys = carried(curves)
+    ax.plot(grid, ys.mean(axis=0), color=color, linestyle=linestyle, linewidth=2, label=label)
+
+
+def figure(rows, window, machines=None):
+    """The figure of one env's rows: returns against frames (left) and hours of training (right). Each seed's running
+    mean is a thin line in its script's colour, the mean over seeds (`carried`) a thick one; the frames panel has one
+    mean per script. Hours depend on the machine: with `machines` ({(env_id, script, seed): label}; "machine not
+    recorded" for a seed it lacks), the hours panel has one mean per script and machine instead, labelled with the
+    machine and drawn in the machine's line style. Returns a matplotlib Figure."""
+    from matplotlib.figure import Figure  # here, not at the top: seconds to import, and a runner that only trains never draws
+
+    (env_id,) = {row["env_id"] for row in rows}
+    frame_skip = frames_per_step(env_id)
+    seeds_by_script = {script: seeds for (_, script), seeds in sorted(group(rows).items())}
+    colors = {script: f"C{i}" for i, script in enumerate(seeds_by_script)}
+    in_minutes = max(points[1][-1] for seeds in seeds_by_script.values() for points in seeds.values()) < 1
+    hour_scale = 60 if in_minutes else 1
+
+    def machine(script, seed):  # None without `machines`: one hours line per script
+        return None if machines is None else machines.get((env_id, script, seed), "machine not recorded")
+
+    names = sorted({machine(script, seed) for script, seeds in seeds_by_script.items() for seed in seeds}, key=str)
+    styles = {name: ["-", "--", ":", "-."][i % 4] for i, name in enumerate(names)}
+    fig = Figure(figsize=(11, 5.5))
+    axes = fig.subplots(1, 2, sharey=True)
+    for script, seeds in seeds_by_script.items():
+        frames = [(points[0] * frame_skip / 1e6, running_mean(points[2], window)) for _, points in sorted(seeds.items())]
+        draw(axes[0], frames, colors[script], "-", f"{script}: {len(frames)} seed{'s' * (len(frames) > 1)}")
+        hours = {}  # {machine: [(hours, running mean) of each seed that ran on it]}
+        for seed, points in sorted(seeds.items()):
+            hours.setdefault(machine(script, seed), []).append((points[1] * hour_scale, running_mean(points[2], window)))
+        for name in sorted(hours, key=str):
+            where = "" if name is None else f", {name}"
+            label = f"{script}{where}: {len(hours[name])} seed{'s' * (len(hours[name]) > 1)}"
+            draw(axes[1], hours[name], colors[script], styles[name], label)
+    axes[0].set_xlabel(f"environment {'frames' if frame_skip > 1 else 'steps'} (millions)")
+    axes[1].set_xlabel(f"{'minutes' if in_minutes else 'hours'} of training")
+    axes[0].set_ylabel(f"episodic return (mean of last {window})")
+    for ax in axes:  # below the panels, where a long machine name covers no curve
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    fig.suptitle(f"{env_id}: thin lines each seed; thick the mean over seeds, a finished seed's last value carried")
+    fig.tight_layout()
+    return fig
+
+
+def plot(rows, window, out, machines=None):
+    """Writes one PNG per env (`figure`) into `out`; returns their paths. `machines`: as `figure` takes it."""
     paths = []
-    by_env = defaultdict(dict)
-    for (env_id, script), seeds in group(rows).items():
-        by_env[env_id][script] = seeds
-    for env_id, scripts in sorted(by_env.items()):
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-        frame_skip = frames_per_step(env_id)
-        in_minutes = max(points[1][-1] for seeds in scripts.values() for points in seeds.values()) < 1
-        for script, seeds in sorted(scripts.items()):
-            for ax, column, scale in [(axes[0], 0, frame_skip / 1e6), (axes[1], 1, 60 if in_minutes else 1)]:
-                # Each seed's running mean on a common x grid, from where every seed has a game to where the first ends.
-                curves = [(points[column] * scale, running_mean(points[2], window)) for points in seeds.values()]
-                grid = np.linspace(max(x[0] for x, _ in curves), min(x[-1] for x, _ in curves), 200)
-                ys = np.array([np.interp(grid, x, y) for x, y in curves])
-                (line,) = ax.plot(grid, ys.mean(axis=0), label=f"{script} ({len(curves)} seed{'s' * (len(curves) > 1)})")
-                if len(curves) > 1:
-                    ax.fill_between(grid, ys.min(axis=0), ys.max(axis=0), color=line.get_color(), alpha=0.2)
-        axes[0].set_xlabel(f"environment {'frames' if frame_skip > 1 else 'steps'} (millions)")
-        axes[1].set_xlabel(f"{'minutes' if in_minutes else 'hours'} of training")
-        axes[0].set_ylabel(f"episodic return (mean of last {window})")
-        axes[0].legend()
-        fig.suptitle(env_id)
-        fig.tight_layout()
+    for env_id in sorted({row["env_id"] for row in rows}):
+        fig = figure([row for row in rows if row["env_id"] == env_id], window, machines)
         paths.append(os.path.join(out, f"{env_id}.png"))
         fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
     return paths
 
 

@@ -86,13 +86,14 @@ def test_runs_skip_and_resume(tmp_path):
         ("Pong-v5", "1", "200", "200"),
         ("Pong-v5", "2", "200", "200"),
     ]
-    with open("/proc/cpuinfo") as f:  # the CPU that finished each run: this one
+    with open("/proc/cpuinfo") as f:  # the CPU that finished each run: this one, with its bf16 feature (test_cpu_label)
         cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     for r in runs:  # hours: training time from the events, the episodes those in curves.csv
         assert 0 < float(r["hours"]) < 0.1
         assert int(r["episodes"]) == sum(c["env_id"] == r["env_id"] and c["seed"] == r["seed"] for c in curves)
         bf16 = checkpoint(tmp_path, f"{r['env_id']}__impala_poly__{r['seed']}__atari")["args"]["bf16"]
-        assert (r["precision"], r["cpu"]) == ("bfloat16" if bf16 else "float32", f"{cpu} ({os.cpu_count()} cores)")
+        assert (r["precision"], r["cpu"]) == ("bfloat16" if bf16 else "float32", atari.this_cpu())
+        assert r["cpu"].startswith(f"{cpu} ({os.cpu_count()} cores, ")
     # Pong's games last thousands of steps: no score, said in the table.
     table = (tmp_path / "results" / "atari" / "results.md").read_text()
     assert "| Pong-v5 | impala_poly | 2 | - | - | " in table
@@ -326,6 +327,70 @@ def test_wall_time_per_machine(tmp_path):
     assert not any(row.startswith("Machines") for row in table)
 
 
+def test_curves_per_machine(tmp_path, monkeypatch):
+    """The report's figures: the frames panel has one mean over every seed of a script; the hours panel one mean per
+    machine (CPU and precision, as runs.csv records them), labelled with it."""
+    epyc, xeon = ("AMD EPYC (2 cores, avx512_bf16)", "float32"), ("Intel Xeon (2 cores, amx_bf16)", "bfloat16")
+    runs, curves = [], []
+    for seed, (cpu, precision), hours in [(1, epyc, 1.0), (2, xeon, 0.25), (3, epyc, 2.0)]:
+        runs.append(
+            dict(
+                env_id="Breakout-v5",
+                script="impala_poly",
+                seed=seed,
+                total_timesteps=1000,
+                global_step=1000,
+                hours=hours,
+                episodes=4,
+                precision=precision,
+                cpu=cpu,
+            )
+        )
+        curves += [
+            dict(
+                env_id="Breakout-v5",
+                script="impala_poly",
+                seed=seed,
+                global_step=250 * i,
+                hours=hours * i / 4,
+                episodic_return=seed * i,
+            )
+            for i in range(1, 5)
+        ]
+    os.makedirs(tmp_path / "out")
+    write_csv(tmp_path / "out" / "curves.csv", curves)
+    write_csv(tmp_path / "out" / "runs.csv", runs)
+    figures = []
+    draw_figure = atari.plot_curves.figure
+
+    def recorded_figure(*positional, **keywords):  # the report's figures, kept to inspect
+        figures.append(draw_figure(*positional, **keywords))
+        return figures[-1]
+
+    monkeypatch.setattr(atari.plot_curves, "figure", recorded_figure)
+    args, script, _ = atari.parse_args(
+        ["--report-only", "--out", str(tmp_path / "out"), "--runs-dir", str(tmp_path / "nowhere")]
+        + ["--total-timesteps", "1000", "--seeds", "1", "2", "3", "--env-ids", "Breakout-v5"]
+    )
+    assert atari.report(args, script)[1:] == [str(tmp_path / "out" / "Breakout-v5.png")]
+    frames, hours = figures[0].axes
+    assert [line.get_label() for line in frames.get_lines() if not line.get_label().startswith("_")] == [
+        "impala_poly: 3 seeds"
+    ]
+    means = {line.get_label(): line for line in hours.get_lines() if not line.get_label().startswith("_")}
+    assert sorted(means) == [
+        "impala_poly, AMD EPYC (2 cores, avx512_bf16), float32: 2 seeds",
+        "impala_poly, Intel Xeon (2 cores, amx_bf16), bfloat16: 1 seed",
+    ]
+    # The EPYC's mean ends where seed 3 ends, at 2 h, on the mean of its seeds' last running means (a window of 100
+    # holds all 4 games): seed 1's 2.5 carried from 1 h, seed 3's 7.5.
+    epyc_mean = means["impala_poly, AMD EPYC (2 cores, avx512_bf16), float32: 2 seeds"]
+    assert epyc_mean.get_xdata()[-1] == pytest.approx(2.0)
+    assert epyc_mean.get_ydata()[-1] == pytest.approx((2.5 + 7.5) / 2)
+    xeon_mean = means["impala_poly, Intel Xeon (2 cores, amx_bf16), bfloat16: 1 seed"]
+    assert (xeon_mean.get_xdata()[-1], xeon_mean.get_ydata()[-1]) == pytest.approx((0.25, 5.0))  # seed 2: 2, 4, 6, 8
+
+
 def test_hns_and_atari5():
     assert math.isclose(atari.hns("Pong-v5", 0), (0 + 20.71) / (14.6 + 20.71))
     assert math.isclose(atari.hns("Breakout-v5", 30.5), 1.0)
@@ -347,6 +412,21 @@ def test_hns_and_atari5():
     )
     hns_values = {"BattleZone": 0.5, "DoubleDunk": 2.0, "NameThisGame": -1.0, "Phoenix": 0.0, "Qbert": 3.5}
     assert math.isclose(atari.atari5_median(hns_values), (10**log_median - 1) / 100)
+
+
+def test_cpu_label():
+    """The CPU label from /proc/cpuinfo's text: the first processor's model, the cores, and the bf16 feature."""
+
+    def cpuinfo(model, flags):  # two processors, as /proc/cpuinfo lists them, with the lines around the two we read
+        block = f"processor\t: 0\nvendor_id\t: x\nmodel name\t: {model}\nflags\t\t: fpu sse2 {flags}\nbugs\t\t: spectre_v1\n"
+        return block + "\n" + block.replace("processor\t: 0", "processor\t: 1")
+
+    intel = "Intel(R) Xeon(R) Platinum 8480+"
+    assert atari.cpu_label(cpuinfo(intel, "avx512f avx512_bf16 amx_bf16 amx_tile"), 2) == f"{intel} (2 cores, amx_bf16)"
+    assert atari.cpu_label(cpuinfo("AMD EPYC", "avx512f avx512_bf16 avx512_vnni"), 2) == "AMD EPYC (2 cores, avx512_bf16)"
+    assert atari.cpu_label(cpuinfo("AMD EPYC", "avx2 avx512f avx512bw"), 4) == "AMD EPYC (4 cores, no bf16)"
+    assert atari.cpu_label(cpuinfo("AMD EPYC", ""), 4) == "AMD EPYC (4 cores, no bf16)"
+    assert atari.cpu_label("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd bf16\n", 4) is None  # no model
 
 
 def test_unknown_game(tmp_path):
