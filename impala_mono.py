@@ -90,9 +90,9 @@ class Args:
     """the learning rate of the RMSProp optimizer"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over `anneal_lr_timesteps`"""
-    anneal_lr_timesteps: Optional[int] = None
-    """the steps over which --anneal-lr takes the learning rate linearly to 0 (then it stays 0); default:
-    --total-timesteps. Fix it to compare budgets: a run then learns as the first steps of a longer one"""
+    anneal_lr_timesteps: int = 50_000_000
+    """the steps over which --anneal-lr takes the learning rate linearly to 0: the paper's 200M Atari frames, whatever
+    --total-timesteps, so that a shorter run learns as the first steps of a full one (README)"""
     update_epochs: int = 1
     """passes over each batch, each recomputing V-trace under the current parameters (IMPALA: 1)"""
     num_minibatches: int = 1
@@ -406,8 +406,8 @@ def learn(agent, optimizer, batch, args, global_step):
     Returns the stats as floats, each the mean over the steps (with several passes also `stats/rho_clipped_pass<k>`,
     pass k's). All of the batch or none: if a gradient is not finite, or the network's outputs are not after a step,
     the parameters and the optimizer state go back to what they were before the batch and FloatingPointError is raised."""
-    horizon = args.anneal_lr_timesteps or args.total_timesteps
-    learning_rate = args.learning_rate * (max(0.0, 1.0 - global_step / horizon) if args.anneal_lr else 1.0)
+    fraction_left = max(0.0, 1.0 - global_step / args.anneal_lr_timesteps)  # never below 0
+    learning_rate = args.learning_rate * (fraction_left if args.anneal_lr else 1.0)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate
     steps = []  # each optimizer step's stats
@@ -803,7 +803,7 @@ def check_args(args):
     ):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.anneal_lr and args.anneal_lr_timesteps is not None and args.anneal_lr_timesteps < args.total_timesteps:
+    if args.anneal_lr and args.anneal_lr_timesteps < args.total_timesteps:
         sys.exit(
             f"error: --total-timesteps {args.total_timesteps} runs past --anneal-lr-timesteps {args.anneal_lr_timesteps}, "
             "after which the learning rate is 0: raise --anneal-lr-timesteps, or pass --no-anneal-lr"
@@ -842,7 +842,7 @@ def check_args(args):
 # and resuming under another value of one is warned about (a new flag is one by default).
 RUN_ONLY_FLAGS = ("exp_name", "torch_deterministic", "cuda", "track", "wandb_project_name", "wandb_entity", "capture_video",
                   "video_interval", "num_threads", "num_torch_threads", "checkpoint_interval", "stall_timeout", "resume",
-                  "eval_checkpoint", "eval_episodes", "run_name", "wandb_id")  # fmt: skip
+                  "eval_checkpoint", "eval_episodes", "run_name", "wandb_id", "total_timesteps")  # fmt: skip
 
 
 def load_checkpoint(path, args):

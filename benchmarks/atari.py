@@ -7,8 +7,9 @@ results table with human-normalized scores (HNS) and the Atari-5 estimate of the
 
 Run `{env_id}__{script}__{seed}__atari` starts in `--runs-dir`, so it writes `{runs_dir}/runs/{run_name}/` (events and
 checkpoint.pt) and appends its output to `{runs_dir}/{run_name}.log`. A run whose checkpoint is short of the budget is
-continued with --resume; a run trained for another budget is not (its learning rate anneals over its own). A finished
-run's curve is merged into `{out}/curves.csv` and the run (with its precision and the CPU that finished it) into
+continued with --resume, also one trained for a shorter budget (its learning rate anneals over --anneal-lr-timesteps,
+whatever the budget); a run whose rate annealed over its own budget (from before that flag) is not. A finished run's
+curve is merged into `{out}/curves.csv` and the run (with its precision and the CPU that finished it) into
 `{out}/runs.csv`: the out folder (committed) alone says which runs are done, even when the run folders are gone. The
 table scores every run recorded with at least the budget's steps at the budget, and notes a run trained for a longer one.
 """
@@ -246,7 +247,8 @@ def run_all(args, script, extra):
         checkpoint = read_checkpoint(os.path.join(run_dir, "checkpoint.pt"))
         step = checkpoint["global_step"] if checkpoint else None
         budget = checkpoint["args"]["total_timesteps"] if checkpoint else None
-        if step is not None and budget != args.total_timesteps:  # resumed, its learning rate would jump back up
+        horizon = checkpoint["args"].get("anneal_lr_timesteps") if checkpoint else None  # None: annealed over its budget
+        if step is not None and horizon is None and budget != args.total_timesteps:  # resumed, its rate would jump back up
             print(
                 f"{tag}: failed, {run_dir} was trained for --total-timesteps {budget} (its learning rate anneals to 0 "
                 f"there): a budget of {args.total_timesteps} needs its own --runs-dir and --out",

@@ -99,13 +99,13 @@ def test_runs_skip_and_resume(tmp_path):
     assert "| Pong-v5 | impala_poly | 2 | - | - | " in table
     assert "seed 1: no full game (not scored); seed 2: no full game (not scored) |" in table
 
-    # Pong seed 1 becomes a run of 400 steps stopped at 200 (its checkpoint as such a run leaves it): a runner asked for
-    # 400 continues it. Seed 2 was trained for 200 steps: continuing it would restart its annealed learning rate, so it
-    # fails untouched. Seed 3's folder holds events but no checkpoint, so it fails without being started (its events
-    # would mix with a new run's). The other run still goes on.
-    stopped = checkpoint(tmp_path, names[0])
-    stopped["args"]["total_timesteps"] = 400
-    torch.save(stopped, tmp_path / "runs" / "atari" / "runs" / names[0] / "checkpoint.pt")
+    # Pong seed 1 was trained for 200 steps, its learning rate annealed over --anneal-lr-timesteps: a runner asked for
+    # 400 continues it. Seed 2's checkpoint becomes one from before that flag, its rate annealed to 0 over its budget of
+    # 200: continuing it would restart the rate, so it fails untouched. Seed 3's folder holds events but no checkpoint,
+    # so it fails without being started (its events would mix with a new run's). The other run still goes on.
+    annealed = checkpoint(tmp_path, names[1])
+    annealed["args"]["anneal_lr_timesteps"] = None
+    torch.save(annealed, tmp_path / "runs" / "atari" / "runs" / names[1] / "checkpoint.pt")
     with SummaryWriter(str(tmp_path / "runs" / "atari" / "runs" / "Pong-v5__impala_poly__3__atari")) as writer:
         writer.add_scalar("charts/SPS", 100, 20)
     seed_2 = {path: time for path, time in run_files(tmp_path).items() if names[1] in path}

@@ -146,8 +146,8 @@ def test_resume_refuses_another_optimizer_or_network(tmp_path, script, edit, mes
 @pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])
 def test_resume_under_other_flags_warns(tmp_path, script, capsys):
     """A resumed run goes on under the flags given: one warning line names each learning flag that differs from the
-    checkpoint's (here the budget, which moves the learning rate's schedule, and the entropy cost); the same flags, or
-    an evaluation, print nothing."""
+    checkpoint's (here the learning rate's horizon and the entropy cost); the same flags, a longer budget (which changes
+    nothing the run learns) or an evaluation print nothing."""
     agent = script.Agent((4,), 2)
     trained = script.Args(env_id="CartPole-v1", total_timesteps=1000)
     path = str(tmp_path / "checkpoint.pt")
@@ -155,13 +155,14 @@ def test_resume_under_other_flags_warns(tmp_path, script, capsys):
     capsys.readouterr()
 
     script.load_checkpoint(path, script.Args(env_id="CartPole-v1", total_timesteps=1000, resume=path))
+    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", total_timesteps=2000, resume=path))
     script.load_checkpoint(path, script.Args(env_id="CartPole-v1", ent_coef=0.5, eval_checkpoint=path))
     assert capsys.readouterr().err == ""
 
-    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", total_timesteps=2000, ent_coef=0.02, resume=path))
+    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", anneal_lr_timesteps=4000, ent_coef=0.02, resume=path))
     assert capsys.readouterr().err == (
-        f"warning: resuming {path} under other flags than it was trained with: --total-timesteps 2000 (trained with "
-        "1000), --ent-coef 0.02 (trained with 0.01); pass the training values to continue the same run\n"
+        f"warning: resuming {path} under other flags than it was trained with: --anneal-lr-timesteps 4000 (trained with "
+        "50000000), --ent-coef 0.02 (trained with 0.01); pass the training values to continue the same run\n"
     )
 
 

@@ -53,11 +53,10 @@ def test_atari_env_matches_envpool(game):
 
 @pytest.mark.learning
 def test_cartpole_learns(tmp_path):
-    """Default flags learn CartPole-v1 fast: the mean of 20 consecutive full-game returns reaches 400 within the first
-    300k steps of a 500k-step run. Seeds 1-5 reached it after 151k, 131k, 146k, 170k and 137k steps and ended at
-    440, 457, 492, 470 and 387 (mean of the last 20); with the paper's batch of 32, 4 of 5 seeds reached it, at
-    173k-454k. Runs are asynchronous, so a seed does not fix their course."""
-    reached, last = steps_to_return(SCRIPT, "CartPole-v1", 500_000, ["--seed", 1], tmp_path, threshold=400)
+    """Default flags learn CartPole-v1 fast: the mean of 20 consecutive full-game returns reaches 400 within 300k steps.
+    Seeds 1-5 reached it after 132k, 128k, 122k, 111k and 131k steps, and were at 500, 494, 418, 500 and 444 (mean of
+    the last 20) at 300k. Runs are asynchronous, so a seed does not fix their course."""
+    reached, last = steps_to_return(SCRIPT, "CartPole-v1", 300_000, ["--seed", 1], tmp_path, threshold=400)
     assert reached is not None and reached <= 300_000, (reached, last)
 
 
@@ -81,20 +80,21 @@ def test_atari_updates_then_eval(tmp_path, lstm, flags, precision):
 @pytest.mark.slow
 def test_resume_continues_the_run(tmp_path):
     steps = 10 * 2 * 2
-    run_dir = train(SCRIPT, "Breakout-v5", steps, SMALL, tmp_path)
+    flags = [*SMALL, "--anneal-lr-timesteps", 2 * steps]
+    run_dir = train(SCRIPT, "Breakout-v5", steps, flags, tmp_path)
     result = run(
         SCRIPT,
         "--env-id",
         "Breakout-v5",
         "--total-timesteps",
         2 * steps,
-        *SMALL,
+        *flags,
         "--resume",
         os.path.join(run_dir, "checkpoint.pt"),
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "--total-timesteps 80 (trained with 40)" in result.stderr  # the warning: the budget moves the schedule
+    assert "warning: resuming" not in result.stderr  # a larger budget changes nothing the run learns
     assert run_dirs(tmp_path) == [run_dir]  # same run folder
     checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
     assert (checkpoint["global_step"], checkpoint["num_updates"]) == (2 * steps, 4)
@@ -207,7 +207,7 @@ def test_learner_threads_stop_at_the_budget(tmp_path):
     below the budget (at steps 0, 40 and 80), each with a positive learning rate. A thread that waited for the update
     lock while another's update reached the budget makes none (its learning rate would be 6e-4 * (1 - 120 / 100) < 0)."""
     flags = ["--num-actors", 2, "--num-envs-per-actor", 4, "--unroll-length", 10, "--batch-size", 4]
-    run_dir = train(SCRIPT, "CartPole-v1", 100, [*flags, "--num-learner-threads", 3], tmp_path)
+    run_dir = train(SCRIPT, "CartPole-v1", 100, [*flags, "--num-learner-threads", 3, "--anneal-lr-timesteps", 100], tmp_path)
     checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
     assert (checkpoint["global_step"], checkpoint["num_updates"]) == (120, 3)
     rates = scalars(run_dir, "charts/learning_rate")

@@ -182,11 +182,10 @@ def test_actor_loop_batches(use_lstm):
 
 @pytest.mark.learning
 def test_cartpole_learns(tmp_path):
-    """Default flags learn CartPole-v1 fast: the mean of 20 consecutive full-game returns reaches 400 within the first
-    300k steps of a 500k-step run. Seeds 1-5 reached it after 205k, 144k, 200k, 175k and 186k steps and ended at
-    462, 448, 476, 455 and 452 (mean of the last 20); with the paper's batch of 32, 2 of 5 seeds reached it (at 227k
-    and 364k). Runs are asynchronous, so a seed does not fix their course."""
-    reached, last = steps_to_return(SCRIPT, "CartPole-v1", 500_000, ["--seed", 1], tmp_path, threshold=400)
+    """Default flags learn CartPole-v1 fast: the mean of 20 consecutive full-game returns reaches 400 within 300k steps.
+    Seeds 1-5 reached it after 178k, 157k, 176k, 148k and 160k steps, and were at 500, 476, 500, 500 and 428 (mean of
+    the last 20) at 300k. Runs are asynchronous, so a seed does not fix their course."""
+    reached, last = steps_to_return(SCRIPT, "CartPole-v1", 300_000, ["--seed", 1], tmp_path, threshold=400)
     assert reached is not None and reached <= 300_000, (reached, last)
 
 
