@@ -1,10 +1,18 @@
 """Running the scripts exactly as a user does, and reading what they logged."""
 
+import atexit
+import functools
 import glob
+import json
+import multiprocessing
 import os
+import runpy
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+import traceback
 
 import envpool
 import numpy as np
@@ -16,15 +24,102 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(script, *args, cwd, timeout=600, env=None):
     """Runs `python script args...` in `cwd` (its runs/ folder lands there), with `env` added to the environment;
-    returns the CompletedProcess."""
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, script), *map(str, args)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
+    returns the CompletedProcess. The script runs as `__main__` in a new process forked from a server that has already
+    imported the libraries (`SERVER`): the same script, flags, environment, folder and sys.path as in a new interpreter,
+    without the ~2.5 s of imports each run would pay there (most of the suite's time). A run that sets a variable read
+    at an interpreter's or a library's start (`startup_variables`), or IMPALA_TESTS_NEW_INTERPRETER=1, gets a new
+    interpreter."""
+    command = [sys.executable, os.path.join(ROOT, script), *map(str, args)]
+    env = {**os.environ, **(env or {})}
+    if env.get("IMPALA_TESTS_NEW_INTERPRETER") == "1" or startup_variables(env) != startup_variables(server_environment()):
+        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    with tempfile.TemporaryDirectory() as outputs:
+        out, err = os.path.join(outputs, "stdout"), os.path.join(outputs, "stderr")
+        process = SERVER.Process(target=run_as_main, args=(command[1:], str(cwd), env, interpreter_path(), out, err))
+        process.start()
+        process.join(timeout)
+        timed_out = process.is_alive()
+        if timed_out:
+            process.kill()
+            process.join()
+        with open(out) as f_out, open(err) as f_err:
+            stdout, stderr = f_out.read(), f_err.read()
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
+
+
+# The server that forks the runs, and the libraries it imports once: the scripts' and this module's (the forked
+# process imports this module by name, to call run_as_main).
+SERVER = multiprocessing.get_context("forkserver")
+SERVER.set_forkserver_preload(
+    [
+        "ale_py",
+        "envpool",
+        "tensorboard.backend.event_processing.event_accumulator",
+        "torch.distributed",
+        "torch.multiprocessing",
+        "torch.utils.tensorboard",
+        "tyro",
+    ]
+)
+
+
+def startup_variables(env):
+    """The variables an interpreter or a preloaded library reads once, at its start: a run that sets them otherwise
+    than the server's start did needs a new interpreter."""
+    prefixes = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "CUDA", "LD_")
+    return {name: value for name, value in env.items() if name.startswith(prefixes) and name != "PYTHONPATH"}
+
+
+@functools.cache
+def server_environment():
+    """The environment the server starts with (it starts at the first run forked)."""
+    return dict(os.environ)
+
+
+@functools.cache
+def interpreter_path():
+    """sys.path of a new interpreter, less its first entry (the script's folder) and PYTHONPATH's entries."""
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], env=env, capture_output=True
     )
+    return json.loads(probe.stdout)
+
+
+def run_as_main(argv, cwd, env, path, out, err):
+    """In the forked process: what `python argv...` does in `cwd` under `env`, stdout and stderr written to the files
+    `out` and `err`; exits with the script's exit status."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, name in ((1, out), (2, err)):
+        with open(name, "wb") as f:
+            os.dup2(f.fileno(), fd)
+    python_path = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *python_path, *path]
+    sys.argv = argv
+    code = 0
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except BaseException as error:  # printed as the interpreter prints it: from the script's frame on, not runpy's
+        frames = error.__traceback__
+        while frames.tb_next is not None and frames.tb_frame.f_code.co_filename != argv[0]:
+            frames = frames.tb_next
+        traceback.print_exception(type(error), error, frames)
+        code = 1
+    threading._shutdown()  # then as the interpreter ends: wait for the threads, run the atexit functions, flush
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_dirs(cwd):

@@ -5,7 +5,6 @@ import csv
 import glob
 import math
 import os
-import subprocess
 import sys
 
 import envpool
@@ -13,7 +12,7 @@ import pytest
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from helpers import ROOT, error_line
+from helpers import ROOT, error_line, run
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "atari.py")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -50,7 +49,7 @@ WEIGHTS = {"BattleZone": 0.3820, "DoubleDunk": 0.0679, "NameThisGame": 0.3108, "
 
 
 def bench(*args, cwd):
-    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300)
+    return run(SCRIPT, *args, cwd=cwd, timeout=300)
 
 
 def read_csv(path):

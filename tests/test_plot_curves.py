@@ -2,14 +2,13 @@
 
 import csv
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from helpers import ROOT, error_line
+from helpers import ROOT, error_line, run
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "plot_curves.py")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -17,7 +16,7 @@ import plot_curves  # noqa: E402  (by path: benchmarks/ is not a package)
 
 
 def plot(*args, cwd):
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    return run(SCRIPT, *args, cwd=cwd, timeout=300)
 
 
 def log_returns(run_dir, points, purge_step=None):

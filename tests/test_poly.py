@@ -441,19 +441,8 @@ def test_torchrun_non_finite_update_stops_every_rank(tmp_path):
 )
 def test_torchrun_restarts_refused_where_they_could_not_work(tmp_path, store, run_id, message):
     """The environment torchrun gives its workers: TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RUN_ID."""
-    env = {
-        **os.environ,
-        "TORCHELASTIC_MAX_RESTARTS": "3",
-        "TORCHELASTIC_USE_AGENT_STORE": store,
-        "TORCHELASTIC_RUN_ID": run_id,
-    }
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, SCRIPT), "--env-id", "CartPole-v1"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    env = {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": store, "TORCHELASTIC_RUN_ID": run_id}
+    result = run(SCRIPT, "--env-id", "CartPole-v1", cwd=tmp_path, env=env)
     assert error_line(result) == message
     assert not os.path.exists(tmp_path / "runs")
 
