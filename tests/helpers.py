@@ -66,9 +66,11 @@ SERVER.set_forkserver_preload(
 
 
 def startup_variables(env):
-    """The variables an interpreter or a preloaded library reads once, at its start: a run that sets them otherwise
-    than the server's start did needs a new interpreter."""
-    prefixes = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "CUDA", "LD_")
+    """The variables an interpreter, its loader or the OpenMP and BLAS runtimes of the preloaded libraries read once,
+    at their start: a run that sets them otherwise than the server's start did needs a new interpreter. (The suite's
+    collection imports impala_mono, which sets OMP_NUM_THREADS=1 for itself, before the server starts: every run,
+    forked or not, then starts with it.)"""
+    prefixes = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_")
     return {name: value for name, value in env.items() if name.startswith(prefixes) and name != "PYTHONPATH"}
 
 
