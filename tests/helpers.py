@@ -112,8 +112,8 @@ def run_as_main(argv, cwd, env, path, out, err):
             print(stop.code, file=sys.stderr)
             code = 1
     except BaseException as error:  # printed as the interpreter prints it: from the script's frame on, not runpy's
-        frames = error.__traceback__
-        while frames.tb_next is not None and frames.tb_frame.f_code.co_filename != argv[0]:
+        frames = error.__traceback__  # (none for a script that does not compile)
+        while frames is not None and frames.tb_frame.f_code.co_filename != argv[0]:
             frames = frames.tb_next
         traceback.print_exception(type(error), error, frames)
         code = 1

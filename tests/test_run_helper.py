@@ -18,16 +18,18 @@ print(json.dumps([__name__, sys.argv, sys.path, os.getcwd(), os.environ.get("MY_
 print("to stderr", file=sys.stderr)
 if sys.argv[1] == "raise":
     raise ValueError("raised by the script")
+if sys.argv[1] == "syntax":
+    exec("1 +")
 sys.exit(int(sys.argv[1]))
 """
 
 
-@pytest.mark.parametrize("how", ["3", "0", "raise"])
+@pytest.mark.parametrize("how", ["3", "0", "raise", "syntax", "compile"])
 def test_a_forked_run_is_a_new_interpreters_run(tmp_path, how):
     (tmp_path / "code").mkdir()
     (tmp_path / "lib").mkdir()
     (tmp_path / "work").mkdir()
-    (tmp_path / "code" / "script.py").write_text(SCRIPT)
+    (tmp_path / "code" / "script.py").write_text(SCRIPT + ("def (" if how == "compile" else ""))
     (tmp_path / "code" / "helper_neighbour.py").write_text("")
     (tmp_path / "lib" / "user_module.py").write_text("")
     env = {"MY_VARIABLE": "set", "PYTHONPATH": str(tmp_path / "lib")}
@@ -35,6 +37,9 @@ def test_a_forked_run_is_a_new_interpreters_run(tmp_path, how):
     forked = run(script, how, "--flag", cwd=tmp_path / "work", env=env)
     new = run(script, how, "--flag", cwd=tmp_path / "work", env={**env, "IMPALA_TESTS_NEW_INTERPRETER": "1"})
     assert (forked.returncode, forked.stdout, forked.stderr) == (new.returncode, new.stdout, new.stderr)
-    assert new.returncode == {"3": 3, "0": 0, "raise": 1}[how]
-    assert new.stdout.splitlines()[1:] == ["a thread the interpreter waits for", "atexit"]
-    assert new.stderr.startswith("to stderr\n")
+    assert new.returncode == {"3": 3, "0": 0, "raise": 1, "syntax": 1, "compile": 1}[how]
+    if how == "compile":
+        assert (new.stdout, new.stderr.splitlines()[-1]) == ("", "SyntaxError: invalid syntax")
+    else:
+        assert new.stdout.splitlines()[1:] == ["a thread the interpreter waits for", "atexit"]
+        assert new.stderr.startswith("to stderr\n")
