@@ -5,6 +5,7 @@ import functools
 import glob
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import runpy
 import shutil
@@ -76,7 +77,9 @@ def startup_variables(env):
 
 @functools.cache
 def server_environment():
-    """The environment the server starts with (it starts at the first run forked)."""
+    """Starts the server, at the first run, and returns the environment it started with (later changes to this
+    process's environment do not reach it)."""
+    multiprocessing.forkserver.ensure_running()
     return dict(os.environ)
 
 
