@@ -98,6 +98,8 @@ class Args:
     """passes over each batch, each recomputing V-trace under the current parameters (IMPALA: 1)"""
     num_minibatches: int = 1
     """optimizer steps per pass, each on an equal share of the batch's rollouts; must divide --batch-size"""
+    clip_coef: Optional[float] = None
+    """APPO: PPO's clipped surrogate on V-trace's advantages, the ratio to the acting policy within 1 +- this"""
     rmsprop_alpha: float = 0.99
     """RMSProp smoothing constant"""
     rmsprop_eps: float = 0.01
@@ -380,7 +382,14 @@ def compute_loss(agent, batch, args):
         clip_pg_rho_threshold=args.clip_pg_rho_threshold,
         lambda_=args.vtrace_lambda,
     )
-    policy_loss = -(vtrace_returns.pg_advantages * target_log_probs).sum()
+    if args.clip_coef is None:  # IMPALA: the V-trace policy gradient
+        policy_loss = -(vtrace_returns.pg_advantages * target_log_probs).sum()
+    else:  # APPO: PPO's clipped surrogate, whose ratio to the acting policy stands in for V-trace's clipped rho
+        vs_next = torch.cat([vtrace_returns.vs[1:], values[-1:].detach()])
+        advantages = (rewards + discounts * vs_next - values[:-1].detach()).masked_fill(done[:-1], 0.0)
+        ratio = log_rhos.exp()  # 0 on a final obs, as its advantage
+        clipped_ratio = ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
+        policy_loss = -torch.min(ratio * advantages, clipped_ratio * advantages).sum()
     value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
     entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum()
@@ -394,6 +403,8 @@ def compute_loss(agent, batch, args):
         # than the acting one to take the action; near half once the two differ at all)
         "stats/rho_clipped": (log_rhos[~done[:-1]] > np.log(args.clip_rho_threshold)).float().mean(),
     }
+    if args.clip_coef is not None:  # the share of steps whose ratio to the acting policy is outside 1 +- clip_coef
+        stats["stats/surrogate_clipped"] = ((ratio - 1).abs() > args.clip_coef)[~done[:-1]].float().mean()
     for i, activation in enumerate(output["activations"], 1):  # a unit (a conv's channel) 0 on every step learns nothing
         stats[f"stats/dead_units_{i}"] = (activation <= 0).transpose(0, 1).flatten(1).all(1).float().mean()
     return loss, stats
@@ -409,8 +420,9 @@ def learn(agent, optimizer, batch, args, global_step, world_size=1):
     """One update on a batch of rollouts [T + 1, B, ...] (every rank calls this with its own batch, in step):
     `update_epochs` passes, each of `num_minibatches` optimizer steps: the loss (V-trace under the current parameters),
     its gradient averaged over the ranks, clipped to `max_grad_norm`, a step. Returns the stats as floats, the mean over
-    the steps (and `stats/rho_clipped_pass<k>`). All of the batch or none: if a gradient, or the network's outputs after
-    a step, are not finite, the state from before the batch comes back and FloatingPointError is raised on every rank."""
+    the steps (and `stats/rho_clipped_pass<k>`, `stats/surrogate_clipped_pass<k>`). All of the batch or none: if a
+    gradient, or the network's outputs after a step, are not finite, the state from before the batch comes back and
+    FloatingPointError is raised on every rank."""
     fraction_left = max(0.0, 1.0 - global_step / args.anneal_lr_timesteps)  # never below 0
     learning_rate = args.learning_rate * (fraction_left if args.anneal_lr else 1.0)
     for group in optimizer.param_groups:
@@ -441,10 +453,11 @@ def learn(agent, optimizer, batch, args, global_step, world_size=1):
                 stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": (grad_norm > args.max_grad_norm).float()})
                 steps.append(stats)
     stats = {key: torch.stack([step[key] for step in steps]).mean() for key in steps[0]}
-    if args.update_epochs > 1 and "stats/rho_clipped" in stats:  # how far each pass drifted from the acting policy
-        passes = torch.stack([step["stats/rho_clipped"] for step in steps]).view(args.update_epochs, -1).mean(1)
-        for epoch, value in enumerate(passes, 1):
-            stats[f"stats/rho_clipped_pass{epoch}"] = value
+    for key in ("stats/rho_clipped", "stats/surrogate_clipped"):  # how far each pass drifted from the acting policy
+        if args.update_epochs > 1 and key in stats:
+            passes = torch.stack([step[key] for step in steps]).view(args.update_epochs, -1).mean(1)
+            for epoch, value in enumerate(passes, 1):
+                stats[f"{key}_pass{epoch}"] = value
     stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one device sync
     stats["charts/learning_rate"] = learning_rate
     return stats
@@ -692,6 +705,7 @@ def check_args(args):
         "anneal_lr_timesteps",
         "update_epochs",
         "num_minibatches",
+        "clip_coef",
     ):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -699,6 +713,11 @@ def check_args(args):
         sys.exit(
             f"error: --total-timesteps {args.total_timesteps} runs past --anneal-lr-timesteps {args.anneal_lr_timesteps}, "
             "after which the learning rate is 0: raise --anneal-lr-timesteps, or pass --no-anneal-lr"
+        )
+    if args.clip_coef is not None and args.clip_pg_rho_threshold != 1.0:
+        sys.exit(
+            f"error: --clip-pg-rho-threshold {args.clip_pg_rho_threshold} clips IMPALA's policy gradient, which "
+            f"--clip-coef {args.clip_coef} replaces with the clipped surrogate: pass one of the two"
         )
     if args.batch_size % args.num_minibatches:
         sys.exit(

@@ -4,6 +4,8 @@ IMPALA (Espeholt et al. 2018, https://arxiv.org/abs/1802.01561), section 4, for 
     v_s = V(x_s) + sum_{u=s}^{e-1} gamma^{u-s} (prod_{i=s}^{u-1} c_i) delta_u,
     delta_u = min(rho_bar, rho_u) (r_{u+1} + gamma V(x_{u+1}) - V(x_u)),  c_i = lambda min(1, rho_i),
     policy gradient: min(pg_rho_bar, rho_s) (r_{s+1} + gamma v_{s+1} - V(x_s)) grad log pi(a_s | x_s),
+or with a clip epsilon (APPO: PPO's clipped surrogate, Schulman et al. 2017, on V-trace's advantages) the gradient of
+    min(rho_s A_s, clip(rho_s, 1 - epsilon, 1 + epsilon) A_s),  A_s = r_{s+1} + gamma v_{s+1} - V(x_s),
 where x_e is the episode's final obs (V(x_e) = 0 if it terminated, V(x_e) itself if the time limit truncated it) or the
 rollout's last obs x_T (the bootstrap). An env ignores the action on a final obs and returns the reset obs: that step is
 no transition of any episode and gives no loss. The losses are summed over time and batch (as TorchBeast does): policy
@@ -86,8 +88,14 @@ def reference_loss(logits, values, batch, args):
                     coef *= gamma * lam * min(1.0, rho[u])
             for s in range(t, e):
                 v_next = vs[s + 1] if s + 1 < e else end_value
-                advantage = min(args.clip_pg_rho_threshold, rho[s]) * (r[s] + gamma * v_next - V[s][b])
-                policy_loss = policy_loss - advantage * log_pi[s, b, action[s]]
+                if args.clip_coef is None:
+                    advantage = min(args.clip_pg_rho_threshold, rho[s]) * (r[s] + gamma * v_next - V[s][b])
+                    policy_loss = policy_loss - advantage * log_pi[s, b, action[s]]
+                else:
+                    advantage = r[s] + gamma * v_next - V[s][b]
+                    ratio = (log_pi[s, b, action[s]] - log_mu[s, b, action[s]]).exp()  # rho[s], with its gradient
+                    clipped = ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
+                    policy_loss = policy_loss - torch.min(ratio * advantage, clipped * advantage)
                 value_loss = value_loss + 0.5 * (vs[s] - values[s, b]) ** 2
                 entropy = entropy - (log_pi[s, b].exp() * log_pi[s, b]).sum()
                 num_steps += 1
@@ -119,11 +127,11 @@ def outputs_of(agent):
 @pytest.mark.parametrize("use_lstm", [False, True], ids=["mlp", "lstm"])
 @pytest.mark.parametrize("reward_clip", [True, False], ids=["clip", "no-clip"])
 @pytest.mark.parametrize(
-    "vtrace_lambda, clips",
-    [(1.0, (1.0, 1.0)), (0.6, (1.0, 1.0)), (0.6, (2.0, 0.5))],
-    ids=["lambda1", "lambda0.6", "lambda0.6-rho2-pg0.5"],
+    "vtrace_lambda, clips, clip_coef",
+    [(1.0, (1.0, 1.0), None), (0.6, (1.0, 1.0), None), (0.6, (2.0, 0.5), None), (0.6, (1.0, 1.0), 0.2)],
+    ids=["lambda1", "lambda0.6", "lambda0.6-rho2-pg0.5", "lambda0.6-surrogate0.2"],
 )
-def test_compute_loss_matches_reference(script, use_lstm, reward_clip, vtrace_lambda, clips):
+def test_compute_loss_matches_reference(script, use_lstm, reward_clip, vtrace_lambda, clips, clip_coef):
     torch.manual_seed(0)
     agent = script.Agent((4,), A, use_lstm=use_lstm)
     args = script.Args(
@@ -133,6 +141,7 @@ def test_compute_loss_matches_reference(script, use_lstm, reward_clip, vtrace_la
         vtrace_lambda=vtrace_lambda,
         clip_rho_threshold=clips[0],
         clip_pg_rho_threshold=clips[1],
+        clip_coef=clip_coef,
         gamma=0.9,
         vf_coef=0.7,
         ent_coef=0.05,
@@ -157,3 +166,8 @@ def test_compute_loss_matches_reference(script, use_lstm, reward_clip, vtrace_la
     rhos = log_rhos.gather(-1, batch["action"][:-1, :, None]).exp()
     assert (rhos > 2.0).any() and (rhos < 0.5).any()
     assert (batch["reward"].abs() > 1).sum() >= 5
+    if clip_coef is not None:  # the surrogate's clip bites on some steps, not all: its share counted apart
+        done = batch["terminated"][:-1] | batch["truncated"][:-1]
+        outside = ((rhos.squeeze(-1) - 1).abs() > clip_coef)[~done].double().mean().item()
+        assert 0 < outside < 1
+        assert stats["stats/surrogate_clipped"].item() == pytest.approx(outside)

@@ -147,10 +147,10 @@ def test_a_flag_added_to_one_args_is_caught(tmp_path):
 
 @pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
 def test_the_algorithm_comes_first(script):
-    """A reader who wants the agent and the loss reads from the top and stops at the end of `learn`: within 450 lines,
+    """A reader who wants the agent and the loss reads from the top and stops at the end of `learn`: within 470 lines,
     above the MACHINERY fence."""
     with open(os.path.join(ROOT, script)) as f:
         source = f.read()
     (learn,) = [node for node in ast.parse(source).body if getattr(node, "name", None) == "learn"]
     fence = source[: source.index("# MACHINERY")].count("\n")
-    assert learn.end_lineno <= 450 and learn.end_lineno < fence, (learn.end_lineno, fence)
+    assert learn.end_lineno <= 470 and learn.end_lineno < fence, (learn.end_lineno, fence)
