@@ -714,6 +714,11 @@ def check_args(args):
             f"error: --total-timesteps {args.total_timesteps} runs past --anneal-lr-timesteps {args.anneal_lr_timesteps}, "
             "after which the learning rate is 0: raise --anneal-lr-timesteps, or pass --no-anneal-lr"
         )
+    if args.clip_coef is not None and args.clip_coef >= 1:
+        sys.exit(
+            f"error: --clip-coef {args.clip_coef} leaves the ratio no lower bound (1 - clip <= 0): pass a value below 1 "
+            "(PPO: 0.1-0.2)"
+        )
     if args.clip_coef is not None and args.clip_pg_rho_threshold != 1.0:
         sys.exit(
             f"error: --clip-pg-rho-threshold {args.clip_pg_rho_threshold} clips IMPALA's policy gradient, which "
@@ -796,10 +801,11 @@ def load_checkpoint(path, args):
                 "pass the same flag as in training"
             )
     if args.eval_checkpoint is None:  # resuming: the run goes on under the flags given, so say which ones changed
+        trained = {**vars(type(args)()), **trained}  # a flag newer than the checkpoint: it trained at the flag's default
         changed = [
             f"--{name.replace('_', '-')} {value} (trained with {trained[name]})"
             for name, value in vars(args).items()
-            if name not in RUN_ONLY_FLAGS and name in trained and trained[name] != value
+            if name not in RUN_ONLY_FLAGS and trained[name] != value
         ]
         if changed:
             print(

@@ -165,6 +165,18 @@ def test_resume_under_other_flags_warns(tmp_path, script, capsys):
         "50000000), --ent-coef 0.02 (trained with 0.01); pass the training values to continue the same run\n"
     )
 
+    # A checkpoint from before a flag existed trained at the flag's default: another value is named too.
+    checkpoint = torch.load(path, weights_only=True)
+    del checkpoint["args"]["clip_coef"], checkpoint["args"]["ent_coef"]
+    torch.save(checkpoint, path)
+    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", total_timesteps=1000, resume=path))
+    assert capsys.readouterr().err == ""
+    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", clip_coef=0.2, ent_coef=0.02, resume=path))
+    assert capsys.readouterr().err == (
+        f"warning: resuming {path} under other flags than it was trained with: --clip-coef 0.2 (trained with None), "
+        "--ent-coef 0.02 (trained with 0.01); pass the training values to continue the same run\n"
+    )
+
 
 @pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])
 def test_evaluating_another_network_speaks_of_evaluation(tmp_path, script):

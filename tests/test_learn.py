@@ -183,12 +183,16 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         ),
         (dict(clip_coef=0.0), "error: --clip-coef must be positive, got 0.0"),
         (
+            dict(clip_coef=1.0),
+            "error: --clip-coef 1.0 leaves the ratio no lower bound (1 - clip <= 0): pass a value below 1 (PPO: 0.1-0.2)",
+        ),
+        (
             dict(clip_coef=0.2, clip_pg_rho_threshold=2.0),
             "error: --clip-pg-rho-threshold 2.0 clips IMPALA's policy gradient, which --clip-coef 0.2 replaces with "
             "the clipped surrogate: pass one of the two",
         ),
     ],
-    ids=["epochs", "minibatches", "horizon", "past-horizon", "divide", "clip-coef", "two-policy-clips"],
+    ids=["epochs", "minibatches", "horizon", "past-horizon", "divide", "clip-coef", "clip-coef-1", "two-policy-clips"],
 )
 def test_bad_pass_flags_are_one_error_before_anything_starts(script, flags, message):
     with pytest.raises(SystemExit) as exit:
