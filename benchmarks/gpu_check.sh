@@ -12,20 +12,21 @@ NUM_ENVS=${NUM_ENVS:-256}
 ENTRY_SECONDS=${ENTRY_SECONDS:-20}  # each throughput entry (not SECONDS: bash's own clock, 0 at start)
 TRAIN_SECONDS=${TRAIN_SECONDS:-180}
 RANK_STEPS=${RANK_STEPS:-400000}   # the torchrun leg: total steps over both ranks
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}  # many GPU images have python3 alone
 WORK=$(mktemp -d)
 cd "$WORK"
 
 echo "== machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | head -3
 echo "cores: $(nproc)"
-python -c "import torch, envpool; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available(), 'envpool', envpool.__version__)"
+"$PYTHON" -c "import torch, envpool; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available(), 'envpool', envpool.__version__)"
 
 echo "== throughput: $ENV_ID, $NUM_ENVS envs"
-python "$ROOT/benchmarks/throughput.py" --env-ids "$ENV_ID" --num-envs "$NUM_ENVS" --seconds "$ENTRY_SECONDS" \
+"$PYTHON" "$ROOT/benchmarks/throughput.py" --env-ids "$ENV_ID" --num-envs "$NUM_ENVS" --seconds "$ENTRY_SECONDS" \
     --warmup 30 --scripts impala_poly.py --precisions bf16 2>&1 | grep -v -i warn
 
 echo "== training: impala_poly.py --env-id $ENV_ID --num-envs $NUM_ENVS for $TRAIN_SECONDS s"
-timeout -s TERM "$TRAIN_SECONDS" python "$ROOT/impala_poly.py" --env-id "$ENV_ID" --num-envs "$NUM_ENVS" \
+timeout -s TERM "$TRAIN_SECONDS" "$PYTHON" "$ROOT/impala_poly.py" --env-id "$ENV_ID" --num-envs "$NUM_ENVS" \
     --total-timesteps 50000000 --run-name single 2>&1 | grep -v -i warn
 echo "exit code ${PIPESTATUS[0]} (124: stopped by the time limit, as planned)"
 
