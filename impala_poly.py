@@ -88,7 +88,7 @@ class Args:
     batch_size: int = 8
     """the number of rollouts (trajectories) in each learner update (B); the paper's 32 learned slower per frame (README)"""
     learning_rate: float = 6e-4
-    """the learning rate of the RMSProp optimizer"""
+    """the optimizer's learning rate"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over `anneal_lr_timesteps`"""
     anneal_lr_timesteps: int = 50_000_000
@@ -100,10 +100,14 @@ class Args:
     """optimizer steps per pass, each on an equal share of the batch's rollouts; must divide --batch-size"""
     clip_coef: Optional[float] = None
     """APPO: PPO's clipped surrogate on V-trace's advantages, the ratio to the acting policy within 1 +- this"""
+    optimizer: Literal["rmsprop", "adam"] = "rmsprop"
+    """the paper's RMSProp, or Adam (PPO's and APPO's choice) with `adam_eps`"""
     rmsprop_alpha: float = 0.99
     """RMSProp smoothing constant"""
     rmsprop_eps: float = 0.01
     """RMSProp epsilon"""
+    adam_eps: float = 1e-5
+    """Adam epsilon (with --optimizer adam; betas at torch's 0.9, 0.999)"""
     gamma: float = 0.99
     """the discount factor"""
     ent_coef: float = 0.01
@@ -411,8 +415,10 @@ def compute_loss(agent, batch, args):
 
 
 def make_optimizer(args, agent):
-    """The paper's RMSProp. Another optimizer goes here (in both scripts); --resume refuses a checkpoint written with
-    another one."""
+    """The paper's RMSProp, or Adam. Another optimizer goes here (in both scripts); --resume refuses a checkpoint
+    written with another one."""
+    if args.optimizer == "adam":
+        return torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
     return torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
 
 
@@ -706,6 +712,9 @@ def check_args(args):
         "update_epochs",
         "num_minibatches",
         "clip_coef",
+        "learning_rate",
+        "rmsprop_eps",  # 0 would divide a gradient of 0 by 0
+        "adam_eps",
     ):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")

@@ -2,6 +2,7 @@
 its promise that a batch is applied whole or not at all (a non-finite gradient on any pass, or a step that blows the
 weights up, restores the parameters and the optimizer state from before the batch)."""
 
+import copy
 import os
 
 import pytest
@@ -191,13 +192,53 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
             "error: --clip-pg-rho-threshold 2.0 clips IMPALA's policy gradient, which --clip-coef 0.2 replaces with "
             "the clipped surrogate: pass one of the two",
         ),
+        (dict(learning_rate=0.0), "error: --learning-rate must be positive, got 0.0"),
+        (dict(adam_eps=-1e-8), "error: --adam-eps must be positive, got -1e-08"),
+        (dict(rmsprop_eps=0.0), "error: --rmsprop-eps must be positive, got 0.0"),
     ],
-    ids=["epochs", "minibatches", "horizon", "past-horizon", "divide", "clip-coef", "clip-coef-1", "two-policy-clips"],
+    ids=[
+        "epochs",
+        "minibatches",
+        "horizon",
+        "past-horizon",
+        "divide",
+        "clip-coef",
+        "clip-coef-1",
+        "two-policy-clips",
+        "learning-rate",
+        "adam-eps",
+        "rmsprop-eps",
+    ],
 )
 def test_bad_pass_flags_are_one_error_before_anything_starts(script, flags, message):
     with pytest.raises(SystemExit) as exit:
         script.check_args(script.Args(env_id="CartPole-v1", **flags))
     assert exit.value.code == message
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+@pytest.mark.parametrize("name", ["adam", "rmsprop"])
+def test_the_first_step_of_each_optimizer(script, name):
+    """`--optimizer` picks the rule, checked on its first step from fresh state against the rule's closed form on the
+    clipped gradient g: Adam's step is lr * g / (|g| + eps) (both moments bias-corrected to g and g^2), RMSProp's
+    lr * g / (sqrt(1 - alpha) |g| + eps) (torch's: eps outside the root)."""
+    lr = 1e-3
+    args, agent, optimizer, batch = setup(script, optimizer=name, learning_rate=lr)
+    assert type(optimizer) is {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}[name]
+    twin = copy.deepcopy(agent)
+    loss, _ = script.compute_loss(twin, batch, args)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(twin.parameters(), args.max_grad_norm)
+    g = torch.cat([p.grad.flatten() for p in twin.parameters()])
+    if name == "adam":
+        expected = lr * g / (g.abs() + args.adam_eps)
+    else:
+        expected = lr * g / ((1 - args.rmsprop_alpha) ** 0.5 * g.abs() + args.rmsprop_eps)
+    before = torch.cat([p.detach().flatten() for p in agent.parameters()])
+    script.learn(agent, optimizer, batch, args, global_step=0)
+    moved = before - torch.cat([p.detach().flatten() for p in agent.parameters()])
+    torch.testing.assert_close(moved, expected, rtol=1e-3, atol=1e-6)
+    assert expected.abs().max() > 0.5 * lr  # steps of the learning rate's size, well above the tolerance
 
 
 @pytest.mark.slow
