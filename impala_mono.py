@@ -933,7 +933,7 @@ def check_resumable(path, checkpoint, agent, optimizer=None):
     if kept and kept != keeps:
         sys.exit(
             f"error: checkpoint {path} holds the state of another optimizer ({', '.join(sorted(kept))}) than "
-            f"{type(optimizer).__name__}: resume with the optimizer it was trained with, or start a new run"
+            f"{type(optimizer).__name__}: resume with the optimizer it was trained with (--optimizer), or start a new run"
         )
 
 

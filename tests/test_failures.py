@@ -114,7 +114,7 @@ def wider_network(path):
     "edit, message",
     [
         (adam_state, "holds the state of another optimizer (exp_avg, exp_avg_sq, step) than RMSprop: resume with the "
-                     "optimizer it was trained with, or start a new run"),
+                     "optimizer it was trained with (--optimizer), or start a new run"),
         (wider_network, "holds another network (actor.0.weight differs): resume it with the network it was trained with, "
                         "or start a new run"),
     ],
