@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from torch.nn.utils import parameters_to_vector
 
 import impala_mono
 import impala_poly
@@ -210,7 +211,7 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         "rmsprop-eps",
     ],
 )
-def test_bad_pass_flags_are_one_error_before_anything_starts(script, flags, message):
+def test_bad_learning_flags_are_one_error_before_anything_starts(script, flags, message):
     with pytest.raises(SystemExit) as exit:
         script.check_args(script.Args(env_id="CartPole-v1", **flags))
     assert exit.value.code == message
@@ -229,14 +230,14 @@ def test_the_first_step_of_each_optimizer(script, name):
     loss, _ = script.compute_loss(twin, batch, args)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(twin.parameters(), args.max_grad_norm)
-    g = torch.cat([p.grad.flatten() for p in twin.parameters()])
+    g = parameters_to_vector(p.grad for p in twin.parameters())
     if name == "adam":
         expected = lr * g / (g.abs() + args.adam_eps)
     else:
         expected = lr * g / ((1 - args.rmsprop_alpha) ** 0.5 * g.abs() + args.rmsprop_eps)
-    before = torch.cat([p.detach().flatten() for p in agent.parameters()])
+    before = parameters_to_vector(agent.parameters()).detach()
     script.learn(agent, optimizer, batch, args, global_step=0)
-    moved = before - torch.cat([p.detach().flatten() for p in agent.parameters()])
+    moved = before - parameters_to_vector(agent.parameters()).detach()
     torch.testing.assert_close(moved, expected, rtol=1e-3, atol=1e-6)
     assert expected.abs().max() > 0.5 * lr  # steps of the learning rate's size, well above the tolerance
 
