@@ -15,6 +15,7 @@ and Cleanba (async EnvPool, one bounded queue to the learner); the agent and the
 import collections
 import contextlib
 import copy
+import functools
 import importlib.util
 import os
 import queue
@@ -544,6 +545,7 @@ def all_or_nothing(agent, optimizer):
         raise
 
 
+@functools.lru_cache  # EnvPool is slow to build an Atari spec, and every Args construction asks
 def is_atari(env_id):
     return env_id in envpool.list_all_envs() and "repeat_action_probability" in envpool.make_spec(env_id).config._fields
 
