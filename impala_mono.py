@@ -86,8 +86,8 @@ class Args:
     """the number of steps in each rollout (T)"""
     batch_size: int = 8
     """the number of rollouts (trajectories) in each learner update (B); the paper's 32 learned slower per frame (README)"""
-    learning_rate: Optional[float] = None
-    """the optimizer's peak learning rate; default: 1.2e-3 on Atari, 6e-4 on other envs (classic control), see README"""
+    learning_rate: float = 6e-4
+    """the optimizer's learning rate"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over `anneal_lr_timesteps`"""
     anneal_lr_timesteps: int = 50_000_000
@@ -151,10 +151,6 @@ class Args:
     """the run's folder under runs/ (set from the checkpoint when resuming)"""
     wandb_id: Optional[str] = None
     """the W&B run's id, kept in the checkpoint so that a resumed run continues it"""
-
-    def __post_init__(self):
-        if self.learning_rate is None:  # Atari learned more per frame at twice the rate; CartPole did not hold it
-            self.learning_rate = 1.2e-3 if is_atari(self.env_id) else 6e-4
 
 
 def make_env(args):

@@ -15,7 +15,6 @@ and Cleanba (async EnvPool, one bounded queue to the learner); the agent and the
 import collections
 import contextlib
 import copy
-import functools
 import importlib.util
 import os
 import queue
@@ -88,8 +87,8 @@ class Args:
     """the number of steps in each rollout (T)"""
     batch_size: int = 8
     """the number of rollouts (trajectories) in each learner update (B); the paper's 32 learned slower per frame (README)"""
-    learning_rate: Optional[float] = None
-    """the optimizer's peak learning rate; default: 1.2e-3 on Atari, 6e-4 on other envs (classic control), see README"""
+    learning_rate: float = 6e-4
+    """the optimizer's learning rate"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over `anneal_lr_timesteps`"""
     anneal_lr_timesteps: int = 50_000_000
@@ -153,10 +152,6 @@ class Args:
     """the run's folder under runs/ (set from the checkpoint when resuming)"""
     wandb_id: Optional[str] = None
     """the W&B run's id, kept in the checkpoint so that a resumed run continues it"""
-
-    def __post_init__(self):
-        if self.learning_rate is None:  # Atari learned more per frame at twice the rate; CartPole did not hold it
-            self.learning_rate = 1.2e-3 if is_atari(self.env_id) else 6e-4
 
 
 def make_env(args, num_envs, batch_size, seed, num_threads):
@@ -545,9 +540,8 @@ def all_or_nothing(agent, optimizer):
         raise
 
 
-@functools.lru_cache  # EnvPool is slow to build an Atari spec, and every Args construction asks
 def is_atari(env_id):
-    return env_id in envpool.list_all_envs() and "repeat_action_probability" in envpool.make_spec(env_id).config._fields
+    return "repeat_action_probability" in envpool.make_spec(env_id).config._fields
 
 
 def bf16_native():

@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-import tyro
 from torch.nn.utils import parameters_to_vector
 
 import impala_mono
@@ -216,16 +215,6 @@ def test_bad_learning_flags_are_one_error_before_anything_starts(script, flags, 
     with pytest.raises(SystemExit) as exit:
         script.check_args(script.Args(env_id="CartPole-v1", **flags))
     assert exit.value.code == message
-
-
-@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
-def test_the_learning_rate_default_depends_on_the_env(script):
-    """Unless --learning-rate is given: 1.2e-3 on Atari, 6e-4 on classic control (and on an unknown id, which
-    check_args then rejects), as parsed from the command line."""
-    assert tyro.cli(script.Args, args=["--env-id", "Breakout-v5"]).learning_rate == 1.2e-3
-    assert tyro.cli(script.Args, args=["--env-id", "CartPole-v1"]).learning_rate == 6e-4
-    assert tyro.cli(script.Args, args=["--env-id", "Breakout-v5", "--learning-rate", "3e-4"]).learning_rate == 3e-4
-    assert script.Args(env_id="NoSuchGame-v5").learning_rate == 6e-4
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
