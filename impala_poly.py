@@ -508,10 +508,11 @@ def scalar_stats(stats, device):
 def mean_stats(steps, update_epochs):
     """Each stat's mean over a batch's optimizer steps, as floats (one device sync); with several passes also
     `stats/rho_clipped_pass<k>` and `stats/surrogate_clipped_pass<k>`: how far each pass drifted from the acting policy."""
-    stats = {key: torch.stack([step[key] for step in steps]).mean() for key in steps[0]}
+    stacked = {key: torch.stack([step[key] for step in steps]) for key in steps[0]}  # [steps] per stat
+    stats = {key: values.mean() for key, values in stacked.items()}
     for key in ("stats/rho_clipped", "stats/surrogate_clipped"):
-        if update_epochs > 1 and key in stats:
-            passes = torch.stack([step[key] for step in steps]).view(update_epochs, -1).mean(1)
+        if update_epochs > 1 and key in stacked:
+            passes = stacked[key].view(update_epochs, -1).mean(1)
             for epoch, value in enumerate(passes, 1):
                 stats[f"{key}_pass{epoch}"] = value
     return dict(zip(stats, torch.stack(list(stats.values())).tolist()))
