@@ -101,9 +101,11 @@ def test_split_batch_takes_every_rollout_once(script):
 @pytest.mark.parametrize("global_step, horizon, rate", [(0, 1000, 6e-4), (500, 1000, 3e-4), (500, 4000, 5.25e-4),
                                                         (5000, 4000, 0.0), (25_000_000, None, 3e-4)])  # fmt: skip
 def test_learning_rate_anneals_over_its_horizon(script, global_step, horizon, rate):
-    """--anneal-lr takes 6e-4 linearly to 0 over --anneal-lr-timesteps, whatever --total-timesteps (1000 here), and
-    stays at 0 past it. By default over 50M steps: the paper's 200M Atari frames."""
-    flags = {} if horizon is None else dict(anneal_lr_timesteps=horizon)
+    """--anneal-lr takes --learning-rate (6e-4 here) linearly to 0 over --anneal-lr-timesteps, whatever
+    --total-timesteps (1000 here), and stays at 0 past it. By default over 50M steps: the paper's 200M Atari frames."""
+    flags = dict(learning_rate=6e-4)
+    if horizon is not None:
+        flags["anneal_lr_timesteps"] = horizon
     args, agent, optimizer, batch = setup(script, total_timesteps=1000, **flags)
     stats = script.learn(agent, optimizer, batch, args, global_step=global_step)
     assert stats["charts/learning_rate"] == pytest.approx(rate)

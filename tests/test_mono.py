@@ -80,7 +80,7 @@ def test_atari_updates_then_eval(tmp_path, lstm, flags, precision):
 @pytest.mark.slow
 def test_resume_continues_the_run(tmp_path):
     steps = 10 * 2 * 2
-    flags = [*SMALL, "--anneal-lr-timesteps", 2 * steps]
+    flags = [*SMALL, "--learning-rate", 6e-4, "--anneal-lr-timesteps", 2 * steps]
     run_dir = train(SCRIPT, "Breakout-v5", steps, flags, tmp_path)
     result = run(
         SCRIPT,
@@ -206,7 +206,7 @@ def test_learner_threads_stop_at_the_budget(tmp_path):
     """Three learner threads, a budget of 100 steps and updates of 40: the run makes exactly the 3 updates that start
     below the budget (at steps 0, 40 and 80), each with a positive learning rate. A thread that waited for the update
     lock while another's update reached the budget makes none (its learning rate would be 6e-4 * (1 - 120 / 100) < 0)."""
-    flags = ["--num-actors", 2, "--num-envs-per-actor", 4, "--unroll-length", 10, "--batch-size", 4]
+    flags = ["--num-actors", 2, "--num-envs-per-actor", 4, "--unroll-length", 10, "--batch-size", 4, "--learning-rate", 6e-4]
     run_dir = train(SCRIPT, "CartPole-v1", 100, [*flags, "--num-learner-threads", 3, "--anneal-lr-timesteps", 100], tmp_path)
     checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
     assert (checkpoint["global_step"], checkpoint["num_updates"]) == (120, 3)
