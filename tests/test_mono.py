@@ -55,8 +55,8 @@ def test_atari_env_matches_envpool(game):
 def test_cartpole_learns(tmp_path):
     """Default flags learn CartPole-v1 fast: the mean of 20 consecutive full-game returns reaches 400 within 300k steps.
     At the default rate 9e-4, seeds 1-5 reached it after 76k-92k steps and were at 478, 452, 500, 470 and 379 (mean
-    of the last 20) at 300k; at the paper's 6e-4, after 111k-132k steps. Runs are
-    asynchronous, so a seed does not fix their course."""
+    of the last 20) at 300k; at the paper's 6e-4, after 111k-132k steps. Runs are asynchronous, so a seed does not
+    fix their course."""
     reached, last = steps_to_return(SCRIPT, "CartPole-v1", 300_000, ["--seed", 1], tmp_path, threshold=400)
     assert reached is not None and reached <= 300_000, (reached, last)
 
