@@ -100,6 +100,9 @@ class Args:
     """optimizer steps per pass, each on an equal share of the batch's rollouts; must divide --batch-size"""
     clip_coef: Optional[float] = None
     """APPO: PPO's clipped surrogate on V-trace's advantages, the ratio to the acting policy within 1 +- this"""
+    decoupled_clip: bool = False
+    """with --clip-coef: the ratio to the policy before the batch, its lag behind the acting one weighed by V-trace's
+    clipped rho (Hilton et al. 2021's decoupled surrogate): the clip bounds the passes' drift; 1 pass is IMPALA's"""
     optimizer: Literal["rmsprop", "adam"] = "rmsprop"
     """the paper's RMSProp, or Adam (PPO's and APPO's choice) with `adam_eps`"""
     rmsprop_alpha: float = 0.99
@@ -131,7 +134,7 @@ class Args:
     clip_rho_threshold: float = 1.0
     """rho-bar, the importance weight clip for the value targets"""
     clip_pg_rho_threshold: float = 1.0
-    """the importance weight clip in the policy-gradient advantage"""
+    """the importance weight clip in the policy-gradient advantage (and of --decoupled-clip's weights)"""
     vtrace_lambda: float = 1.0
     """lambda, scales the trace coefficients c"""
 
@@ -361,10 +364,7 @@ def compute_loss(agent, batch, args):
     gradient's scale out, so one learning rate serves batches of 160 (the default) and 640 steps (the paper's).
     """
     done = batch["terminated"] | batch["truncated"]
-    # After a final obs comes a reset obs; the stored core state is already reset for obs[0].
-    first = torch.cat([torch.zeros_like(done[:1]), done[:-1]])
-    core_state = tuple(batch["core_state"]) if "core_state" in batch else ()
-    output = agent(batch["obs"], first, core_state)
+    output = unroll(agent, batch)
     logits, values = output["logits"], output["values"]  # [T + 1, B, A], [T + 1, B]
 
     # Move from obs[t] -> reward[t] to action[t] -> reward[t + 1]: step t is (obs[t], action[t], reward[t + 1], obs[t + 1]).
@@ -391,9 +391,13 @@ def compute_loss(agent, batch, args):
     else:  # APPO: PPO's clipped surrogate, whose ratio to the acting policy stands in for V-trace's clipped rho
         vs_next = torch.cat([vtrace_returns.vs[1:], values[-1:].detach()])
         advantages = (rewards + discounts * vs_next - values[:-1].detach()).masked_fill(done[:-1], 0.0)
-        ratio = log_rhos.exp()  # 0 on a final obs, as its advantage
+        ratio, weights = log_rhos.exp(), 1.0  # the ratio 0 on a final obs, as its advantage
+        if args.decoupled_clip:  # the ratio to the policy before the first pass; the lag behind it, V-trace's weight
+            proximal_log_probs = vtrace.action_log_probs(batch["proximal_logits"][:-1], actions)
+            ratio = (target_log_probs - proximal_log_probs).exp()
+            weights = (proximal_log_probs - behavior_log_probs).exp().clamp(max=args.clip_pg_rho_threshold)
         clipped_ratio = ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
-        policy_loss = -torch.min(ratio * advantages, clipped_ratio * advantages).sum()
+        policy_loss = -(weights * torch.min(ratio * advantages, clipped_ratio * advantages)).sum()
     value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
     entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum()
@@ -407,7 +411,7 @@ def compute_loss(agent, batch, args):
         # than the acting one to take the action; near half once the two differ at all)
         "stats/rho_clipped": (log_rhos[~done[:-1]] > np.log(args.clip_rho_threshold)).float().mean(),
     }
-    if args.clip_coef is not None:  # the share of steps whose ratio to the acting policy is outside 1 +- clip_coef
+    if args.clip_coef is not None:  # the share of steps whose ratio (to the acting or the proximal policy) is outside
         stats["stats/surrogate_clipped"] = ((ratio - 1).abs() > args.clip_coef)[~done[:-1]].float().mean()
     for i, activation in enumerate(output["activations"], 1):  # a unit (a conv's channel) 0 on every step learns nothing
         stats[f"stats/dead_units_{i}"] = (activation <= 0).transpose(0, 1).flatten(1).all(1).float().mean()
@@ -433,6 +437,9 @@ def learn(agent, optimizer, batch, args, global_step, world_size=1):
     learning_rate = args.learning_rate * (fraction_left if args.anneal_lr else 1.0)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate
+    if args.decoupled_clip:  # the proximal policy, around which every pass clips the ratio: the one before the batch
+        with torch.no_grad():
+            batch = {**batch, "proximal_logits": unroll(agent, batch)["logits"]}
     steps = []  # each optimizer step's stats
     with all_or_nothing(agent, optimizer):
         for epoch in range(args.update_epochs):
@@ -468,6 +475,16 @@ def learn(agent, optimizer, batch, args, global_step, world_size=1):
 # checkpoint I/O, the learner's counters and the ranks' stop agreement, then the main program: threads, supervision,
 # logging, restarts and shutdown.
 # ======================================================================================================================
+
+
+def unroll(agent, batch):
+    """The network's outputs on rollouts [T + 1, B, ...], each from its stored core state (compute_loss's forward, and
+    --decoupled-clip's proximal policy)."""
+    done = batch["terminated"] | batch["truncated"]
+    # After a final obs comes a reset obs; the stored core state is already reset for obs[0].
+    first = torch.cat([torch.zeros_like(done[:1]), done[:-1]])
+    core_state = tuple(batch["core_state"]) if "core_state" in batch else ()
+    return agent(batch["obs"], first, core_state)
 
 
 def split_batch(batch, num_minibatches):
@@ -735,10 +752,13 @@ def check_args(args):
             f"error: --clip-coef {args.clip_coef} leaves the ratio no lower bound (1 - clip <= 0): pass a value below 1 "
             "(PPO: 0.1-0.2)"
         )
-    if args.clip_coef is not None and args.clip_pg_rho_threshold != 1.0:
+    if args.decoupled_clip and args.clip_coef is None:
+        sys.exit("error: --decoupled-clip moves the clip of --clip-coef's surrogate: pass --clip-coef too (PPO: 0.1-0.2)")
+    if args.clip_coef is not None and not args.decoupled_clip and args.clip_pg_rho_threshold != 1.0:
         sys.exit(
             f"error: --clip-pg-rho-threshold {args.clip_pg_rho_threshold} clips IMPALA's policy gradient, which "
-            f"--clip-coef {args.clip_coef} replaces with the clipped surrogate: pass one of the two"
+            f"--clip-coef {args.clip_coef} replaces with the clipped surrogate: pass one of the two, or add "
+            "--decoupled-clip, whose weights it clips"
         )
     if args.batch_size % args.num_minibatches:
         sys.exit(

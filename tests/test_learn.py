@@ -193,7 +193,11 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         (
             dict(clip_coef=0.2, clip_pg_rho_threshold=2.0),
             "error: --clip-pg-rho-threshold 2.0 clips IMPALA's policy gradient, which --clip-coef 0.2 replaces with "
-            "the clipped surrogate: pass one of the two",
+            "the clipped surrogate: pass one of the two, or add --decoupled-clip, whose weights it clips",
+        ),
+        (
+            dict(decoupled_clip=True),
+            "error: --decoupled-clip moves the clip of --clip-coef's surrogate: pass --clip-coef too (PPO: 0.1-0.2)",
         ),
         (dict(learning_rate=0.0), "error: --learning-rate must be positive, got 0.0"),
         (dict(adam_eps=-1e-8), "error: --adam-eps must be positive, got -1e-08"),
@@ -208,6 +212,7 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         "clip-coef",
         "clip-coef-1",
         "two-policy-clips",
+        "decoupled-without-clip",
         "learning-rate",
         "adam-eps",
         "rmsprop-eps",
@@ -301,6 +306,30 @@ def test_surrogate_clipping_is_counted_per_pass(script):
     assert stats["stats/surrogate_clipped"] == pytest.approx(
         sum(stats[f"stats/surrogate_clipped_pass{k}"] for k in (1, 2, 3)) / 3
     )
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_decoupled_clip_bounds_the_passes_drift_not_the_lag(script):
+    """With --decoupled-clip the ratio is taken to the policy before the batch, not to the acting one: behaviour logits
+    far from the agent's clip most steps of the first pass under APPO's ratio and none under the decoupled one, whose
+    later passes clip as the policy moves. One pass of it is IMPALA's update: the same parameters after it."""
+    flags = dict(clip_coef=1e-3, learning_rate=1e-2)
+    args, agent, optimizer, batch = setup(script, update_epochs=3, **flags)
+    acting_stats = script.learn(agent, optimizer, batch, args, global_step=0)
+    args, agent, optimizer, batch = setup(script, update_epochs=3, decoupled_clip=True, **flags)
+    stats = script.learn(agent, optimizer, batch, args, global_step=0)
+    assert acting_stats["stats/surrogate_clipped_pass1"] > 0.9
+    assert stats["stats/surrogate_clipped_pass1"] == 0.0
+    assert 0.0 < stats["stats/surrogate_clipped_pass2"] <= stats["stats/surrogate_clipped_pass3"] <= 1.0
+
+    impala = setup(script)
+    one_pass = setup(script, clip_coef=0.1, decoupled_clip=True)
+    for args, agent, optimizer, batch in (impala, one_pass):
+        script.learn(agent, optimizer, batch, args, global_step=0)
+    torch.testing.assert_close(
+        parameters_to_vector(one_pass[1].parameters()), parameters_to_vector(impala[1].parameters()), rtol=0, atol=1e-7
+    )
+    assert not torch.equal(parameters_to_vector(impala[1].parameters()), parameters_to_vector(setup(script)[1].parameters()))
 
 
 @pytest.mark.learning
