@@ -389,7 +389,7 @@ def compute_loss(agent, batch, args):
         ratio, weights = log_rhos.exp(), 1.0  # the ratio 0 on a final obs, as its advantage
         if args.decoupled_clip:  # the ratio to the policy before the first pass; the lag behind it, V-trace's weight
             proximal_log_probs = vtrace.action_log_probs(batch["proximal_logits"][:-1], actions)
-            ratio = (target_log_probs - proximal_log_probs).exp()
+            ratio = (target_log_probs - proximal_log_probs).masked_fill(done[:-1], float("-inf")).exp()
             weights = (proximal_log_probs - behavior_log_probs).exp().clamp(max=args.clip_pg_rho_threshold)
         clipped_ratio = ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
         policy_loss = -(weights * torch.min(ratio * advantages, clipped_ratio * advantages)).sum()
