@@ -95,16 +95,14 @@ def reference_loss(logits, values, batch, args):
                 if args.clip_coef is None:
                     advantage = min(args.clip_pg_rho_threshold, rho[s]) * (r[s] + gamma * v_next - V[s][b])
                     policy_loss = policy_loss - advantage * log_pi[s, b, action[s]]
-                elif not args.decoupled_clip:
-                    advantage = r[s] + gamma * v_next - V[s][b]
-                    ratio = (log_pi[s, b, action[s]] - log_mu[s, b, action[s]]).exp()  # rho[s], with its gradient
-                    clipped = ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
-                    policy_loss = policy_loss - torch.min(ratio * advantage, clipped * advantage)
                 else:
                     advantage = r[s] + gamma * v_next - V[s][b]
-                    lag = math.exp(log_prox[s, b, action[s]].item() - log_mu[s, b, action[s]].item())
-                    weight = min(args.clip_pg_rho_threshold, lag)
-                    ratio = (log_pi[s, b, action[s]] - log_prox[s, b, action[s]]).exp()  # q_s, with its gradient
+                    log_anchor, weight = log_mu, 1.0  # APPO: the ratio rho[s], unweighted
+                    if args.decoupled_clip:  # the ratio q_s, weighed by the proximal policy's clipped lag
+                        log_anchor = log_prox
+                        lag = math.exp(log_prox[s, b, action[s]].item() - log_mu[s, b, action[s]].item())
+                        weight = min(args.clip_pg_rho_threshold, lag)
+                    ratio = (log_pi[s, b, action[s]] - log_anchor[s, b, action[s]]).exp()  # with its gradient
                     clipped = ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
                     policy_loss = policy_loss - weight * torch.min(ratio * advantage, clipped * advantage)
                 value_loss = value_loss + 0.5 * (vs[s] - values[s, b]) ** 2
