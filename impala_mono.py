@@ -388,9 +388,9 @@ def compute_loss(agent, batch, args):
         advantages = (rewards + discounts * vs_next - values[:-1].detach()).masked_fill(done[:-1], 0.0)
         ratio, weights = log_rhos.exp(), 1.0  # the ratio 0 on a final obs, as its advantage
         if args.decoupled_clip:  # the ratio to the policy before the first pass; the lag behind it, V-trace's weight
-            proximal_log_probs = vtrace.action_log_probs(batch["proximal_logits"][:-1], actions)
-            ratio = (target_log_probs - proximal_log_probs).masked_fill(done[:-1], float("-inf")).exp()
-            weights = (proximal_log_probs - behavior_log_probs).exp().clamp(max=args.clip_pg_rho_threshold)
+            lag = vtrace.action_log_probs(batch["proximal_logits"][:-1], actions) - behavior_log_probs  # log q/mu
+            ratio = (log_rhos - lag).exp()  # the current policy over the proximal one, 0 on a final obs as rho
+            weights = lag.exp().clamp(max=args.clip_pg_rho_threshold)
         clipped_ratio = ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
         policy_loss = -(weights * torch.min(ratio * advantages, clipped_ratio * advantages)).sum()
     value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
