@@ -97,6 +97,10 @@ class Args:
     """passes over each batch, each recomputing V-trace under the current parameters (IMPALA: 1)"""
     num_minibatches: int = 1
     """optimizer steps per pass, each on an equal share of the batch's rollouts; must divide --batch-size"""
+    replay_proportion: int = 0
+    """replayed batches learned with each fresh one, drawn at random from the last `replay_buffer` (LASER, RLlib; 0: off)"""
+    replay_buffer: int = 8
+    """the fresh batches --replay-proportion draws from: the last this many"""
     clip_coef: Optional[float] = None
     """APPO: PPO's clipped surrogate on V-trace's advantages, the ratio to the acting policy within 1 +- this"""
     decoupled_clip: bool = False
@@ -419,6 +423,27 @@ def make_optimizer(args, agent):
     if args.optimizer == "adam":
         return torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
     return torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
+
+
+class Replay:
+    """Experience replay as in LASER (Schmitt et al. 2020) and RLlib's IMPALA: each fresh batch is learned together with
+    `proportion` batches drawn at random from the last `capacity` fresh ones; V-trace (or the clipped surrogate, whose
+    ratio is to the acting policy) corrects their lag. Each rollout is learned from about 1 + proportion times."""
+
+    def __init__(self, proportion, capacity):
+        self.proportion, self.batches = proportion, collections.deque(maxlen=capacity)
+
+    def mix(self, batch):
+        """The fresh batch [T + 1, B, ...] followed along B by the drawn ones (fewer until that many are stored); then
+        stores the fresh one. The batch itself without replay."""
+        if not self.proportion:
+            return batch
+        drawn = random.sample(list(self.batches), min(self.proportion, len(self.batches)))
+        self.batches.append(batch)
+        return {
+            key: torch.cat([value] + [other[key] for other in drawn], dim=0 if value.dim() == 1 else 1)
+            for key, value in batch.items()
+        }
 
 
 def learn(agent, optimizer, batch, args, global_step):
@@ -843,6 +868,7 @@ def check_args(args):
         "anneal_lr_timesteps",
         "update_epochs",
         "num_minibatches",
+        "replay_buffer",
         "clip_coef",
         "learning_rate",
         "rmsprop_eps",  # 0 would divide a gradient of 0 by 0
@@ -872,6 +898,13 @@ def check_args(args):
         sys.exit(
             f"error: --num-minibatches {args.num_minibatches} does not divide --batch-size {args.batch_size}: each "
             "minibatch is an equal share of the batch's rollouts"
+        )
+    if args.replay_proportion < 0:
+        sys.exit(f"error: --replay-proportion must be 0 (no replay) or more, got {args.replay_proportion}")
+    if args.replay_buffer < args.replay_proportion:
+        sys.exit(
+            f"error: --replay-buffer {args.replay_buffer} holds fewer batches than --replay-proportion "
+            f"{args.replay_proportion} draws for each update: raise --replay-buffer"
         )
     for flag, needs, packages in (
         ("track", ["wandb"], "wandb"),
@@ -1036,6 +1069,7 @@ def train(args):
 
     agent.to(device)
     optimizer = make_optimizer(args, agent)  # on the parameters' device
+    replay = Replay(args.replay_proportion, args.replay_buffer)  # empty on --resume: it refills in replay_buffer updates
     progress = Progress()
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -1098,6 +1132,7 @@ def train(args):
                     if stop.is_set() or progress.global_step >= args.total_timesteps:
                         return  # another learner thread's update ended the run while this one waited
                     update_start = time.time()
+                    batch = replay.mix(batch)
                     try:
                         stats = learn(agent, optimizer, batch, args, progress.global_step)
                     except FloatingPointError as e:

@@ -4,6 +4,7 @@ weights up, restores the parameters and the optimizer state from before the batc
 
 import copy
 import os
+import random
 
 import pytest
 import torch
@@ -199,6 +200,13 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
             dict(decoupled_clip=True),
             "error: --decoupled-clip moves the clip of --clip-coef's surrogate: pass --clip-coef too (PPO: 0.1-0.2)",
         ),
+        (dict(replay_proportion=-1), "error: --replay-proportion must be 0 (no replay) or more, got -1"),
+        (dict(replay_buffer=0), "error: --replay-buffer must be positive, got 0"),
+        (
+            dict(replay_proportion=3, replay_buffer=2),
+            "error: --replay-buffer 2 holds fewer batches than --replay-proportion 3 draws for each update: raise "
+            "--replay-buffer",
+        ),
         (dict(learning_rate=0.0), "error: --learning-rate must be positive, got 0.0"),
         (dict(adam_eps=-1e-8), "error: --adam-eps must be positive, got -1e-08"),
         (dict(rmsprop_eps=0.0), "error: --rmsprop-eps must be positive, got 0.0"),
@@ -213,6 +221,9 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         "clip-coef-1",
         "two-policy-clips",
         "decoupled-without-clip",
+        "replay-proportion",
+        "replay-buffer",
+        "replay-buffer-small",
         "learning-rate",
         "adam-eps",
         "rmsprop-eps",
@@ -340,3 +351,30 @@ def test_clipped_surrogate_with_two_passes_learns_cartpole(tmp_path):
     flags = ["--seed", 1, "--clip-coef", 0.2, "--update-epochs", 2]
     reached, last = steps_to_return("impala_poly.py", "CartPole-v1", 300_000, flags, tmp_path, threshold=400)
     assert reached is not None and reached <= 300_000, (reached, last)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_replay_learns_each_fresh_batch_with_stored_ones(script):
+    """--replay-proportion 2 of --replay-buffer 3: the fresh batch comes first, then 2 distinct batches of the last 3
+    fresh ones (all there are until then), whole; 0 hands the batch on as it is."""
+    torch.manual_seed(0)
+    random.seed(0)  # the draws
+    fresh = [rollout_batch(script.Agent((4,), A), seed=seed) for seed in range(6)]
+    for index, batch in enumerate(fresh):
+        batch["policy_version"] = torch.full((batch["obs"].shape[1],), index)
+    replay = script.Replay(proportion=2, capacity=3)
+    for index, batch in enumerate(fresh):
+        mixed = replay.mix(batch)
+        B = batch["obs"].shape[1]
+        drawn = min(2, index)
+        assert mixed.keys() == batch.keys()
+        assert mixed["obs"].shape[1] == mixed["policy_version"].shape[0] == (1 + drawn) * B
+        for key, value in batch.items():  # along dim 1 per step, dim 0 per rollout
+            assert torch.equal(value, mixed[key][:B] if value.dim() == 1 else mixed[key][:, :B])
+        versions = mixed["policy_version"].view(1 + drawn, B)
+        assert (versions == versions[:, :1]).all()  # whole batches
+        drawn_versions = versions[1:, 0].tolist()
+        assert len(set(drawn_versions)) == drawn and all(max(0, index - 3) <= v < index for v in drawn_versions)
+        for k, v in enumerate(drawn_versions, 1):
+            assert torch.equal(mixed["obs"][:, k * B : (k + 1) * B], fresh[v]["obs"])
+    assert script.Replay(proportion=0, capacity=8).mix(fresh[0]) is fresh[0]
