@@ -378,3 +378,15 @@ def test_replay_learns_each_fresh_batch_with_stored_ones(script):
         for k, v in enumerate(drawn_versions, 1):
             assert torch.equal(mixed["obs"][:, k * B : (k + 1) * B], fresh[v]["obs"])
     assert script.Replay(proportion=0, capacity=8).mix(fresh[0]) is fresh[0]
+
+
+@pytest.mark.learning
+@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"], ids=IDS)
+def test_replay_learns_cartpole(tmp_path, script):
+    """Experience replay with APPO's clip (`--replay-proportion 3 --clip-coef 0.1`: each batch learned with 3 stored
+    ones) learns CartPole-v1 sooner than the defaults: the mean of 20 consecutive full-game returns reaches 400 within
+    150k steps. Seeds 1 and 2 reached it after 57k and 52k steps (mono) and 63k and 74k (poly); the defaults after
+    111k-132k (mono) and 148k-178k (poly), seeds 1-5."""
+    flags = ["--seed", 1, "--replay-proportion", 3, "--clip-coef", 0.1]
+    reached, last = steps_to_return(script, "CartPole-v1", 150_000, flags, tmp_path, threshold=400)
+    assert reached is not None and reached <= 150_000, (reached, last)
