@@ -126,6 +126,8 @@ class Args:
     """clip rewards to [-1, 1] in the loss (logged returns stay unclipped)"""
     network: Literal["shallow", "deep"] = "shallow"
     """Atari torso: the Nature CNN ("shallow") or the IMPALA ResNet ("deep")"""
+    layer_norm: bool = False
+    """Atari torso: a LayerNorm between its linear layer and that layer's ReLU (Ba et al. 2016; fewer dead units)"""
     use_lstm: bool = False
     """add an LSTM core; its state is reset at episode boundaries"""
     episodic_life: bool = True
@@ -215,7 +217,9 @@ class Agent(nn.Module):
     observations get separate policy and value MLPs of 256 ReLU units (README, implementation details). Observations
     are divided by `obs_scale` (default: 255 for images, 1 for vectors)."""
 
-    def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False, bf16=False, obs_scale=None):
+    def __init__(
+        self, obs_shape, num_actions, network="shallow", use_lstm=False, bf16=False, obs_scale=None, layer_norm=False
+    ):
         super().__init__()
         self.dtype = torch.bfloat16 if bf16 else torch.float32  # what the forward computes in
         self.obs_scale = obs_scale or (1.0 if len(obs_shape) == 1 else 255.0)
@@ -239,7 +243,8 @@ class Agent(nn.Module):
                 convs = [ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32), nn.Flatten(), nn.ReLU()]
             with torch.no_grad():  # the flattened size, from a dummy frame through the layers
                 flat_size = nn.Sequential(*convs)(torch.zeros(1, *obs_shape)).shape[1]
-            self.torso = nn.Sequential(*convs, layer_init(nn.Linear(flat_size, hidden)), nn.ReLU())
+            norm = nn.LayerNorm(hidden) if layer_norm else nn.Identity()  # Identity: no key, so older checkpoints load
+            self.torso = nn.Sequential(*convs, layer_init(nn.Linear(flat_size, hidden)), norm, nn.ReLU())
         self.lstm = nn.LSTMCell(hidden, max(hidden, 64)) if use_lstm else None
         core_size = self.lstm.hidden_size if use_lstm else hidden
         if len(obs_shape) == 1:
@@ -288,7 +293,7 @@ def make_agent(args, observation_space, action_space):
     """The agent for the env's spaces and the flags, built here alone: a new `Agent` argument is passed here. uint8
     observations (frames) are scaled to [0, 1]; others go in as they are."""
     obs_scale = 255.0 if observation_space.dtype == np.uint8 else 1.0
-    return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16, obs_scale)
+    return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16, obs_scale, args.layer_norm)
 
 
 # ALGO LOGIC: acting. Each actor process steps its envs with the shared CPU agent into shared-memory rollout slots
@@ -853,6 +858,8 @@ def check_args(args):
             f"error: --env-id {args.env_id} gives images of {obs_space.shape[1]}x{obs_space.shape[2]} (channels first): "
             "the Nature CNN (--network shallow) needs at least 36x36; use --network deep"
         )
+    if args.layer_norm and len(obs_space.shape) == 1:
+        sys.exit(f"error: --layer-norm normalizes the Atari torso; {args.env_id} has vector observations: drop the flag")
     for name in (
         "total_timesteps",
         "num_actors",
@@ -944,14 +951,14 @@ def load_checkpoint(path, args):
         trained = checkpoint["args"]
     except Exception as e:
         sys.exit(f"error: cannot read checkpoint {path} ({type(e).__name__}): pass a checkpoint.pt written by this script")
-    for name in ("env_id", "network", "use_lstm"):
+    trained = {**vars(type(args)()), **trained}  # a flag newer than the checkpoint: it trained at the flag's default
+    for name in ("env_id", "network", "layer_norm", "use_lstm"):
         if trained[name] != getattr(args, name):
             sys.exit(
                 f"error: checkpoint {path} is for --{name.replace('_', '-')} {trained[name]}, not {getattr(args, name)}: "
                 "pass the same flag as in training"
             )
     if args.eval_checkpoint is None:  # resuming: the run goes on under the flags given, so say which ones changed
-        trained = {**vars(type(args)()), **trained}  # a flag newer than the checkpoint: it trained at the flag's default
         changed = [
             f"--{name.replace('_', '-')} {value} (trained with {trained[name]})"
             for name, value in vars(args).items()

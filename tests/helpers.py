@@ -149,7 +149,12 @@ def cpu_has_bf16():
 # (use_lstm, flags, the precision the run must report) for the scripts' updates-then-eval tests on Atari: the
 # default precision follows the CPU, --no-bf16 is float32.
 DEFAULT_PRECISION = "bfloat16" if cpu_has_bf16() else "float32"
-UPDATES_THEN_EVAL_CASES = [(False, [], DEFAULT_PRECISION), (True, [], DEFAULT_PRECISION), (False, ["--no-bf16"], "float32")]
+UPDATES_THEN_EVAL_CASES = [
+    (False, [], DEFAULT_PRECISION),
+    (True, [], DEFAULT_PRECISION),
+    (False, ["--no-bf16"], "float32"),
+    (False, ["--layer-norm"], DEFAULT_PRECISION),  # its own network trained, saved and evaluated
+]
 
 
 # Two updates of 4 envs x 10 steps on CartPole-v1 (mono: 1 actor x 4 envs; poly: a pool of 4), for the tests that run
