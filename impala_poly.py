@@ -119,6 +119,10 @@ class Args:
     """the discount factor"""
     ent_coef: float = 0.01
     """coefficient of the entropy bonus"""
+    ent_coef_final: Optional[float] = None
+    """anneal the entropy coefficient linearly from --ent-coef to this across `ent_anneal_window` (None: constant)"""
+    ent_anneal_window: tuple[int, int] = (1_000_000, 2_000_000)
+    """the steps (start, end) of --ent-coef-final's anneal, whatever --total-timesteps: the 4th to 8th million frames"""
     vf_coef: float = 0.5
     """coefficient of the value (baseline) loss"""
     max_grad_norm: float = 40.0
@@ -366,8 +370,8 @@ def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device,
 
 
 # ALGO LOGIC: learning
-def compute_loss(agent, batch, args):
-    """V-trace actor-critic loss on rollouts [T + 1, B, ...].
+def compute_loss(agent, batch, args, ent_coef):
+    """V-trace actor-critic loss on rollouts [T + 1, B, ...], with the entropy bonus's coefficient `ent_coef` (learn's).
 
     Losses are summed over T and B (as in the IMPALA paper and TorchBeast), not averaged; RMSProp divides the
     gradient's scale out, so one learning rate serves batches of 160 (the default) and 640 steps (the paper's).
@@ -409,7 +413,7 @@ def compute_loss(agent, batch, args):
         policy_loss = -(weights * torch.min(ratio * advantages, clipped_ratio * advantages)).sum()
     value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
     entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
-    loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum()
+    loss = policy_loss + args.vf_coef * value_loss - ent_coef * entropy.sum()
     stats = {
         "losses/policy_loss": policy_loss,
         "losses/value_loss": value_loss,
@@ -435,27 +439,6 @@ def make_optimizer(args, agent):
     return torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
 
 
-class Replay:
-    """Experience replay as in LASER (Schmitt et al. 2020) and RLlib's IMPALA: each fresh batch is learned together with
-    `proportion` batches drawn at random from the last `capacity` fresh ones; V-trace (or the clipped surrogate, whose
-    ratio is to the acting policy) corrects their lag. Each rollout is learned from about 1 + proportion times."""
-
-    def __init__(self, proportion, capacity):
-        self.proportion, self.batches = proportion, collections.deque(maxlen=capacity)
-
-    def mix(self, batch):
-        """The fresh batch [T + 1, B, ...] followed along B by the drawn ones (fewer until that many are stored); then
-        stores the fresh one. The batch itself without replay."""
-        if not self.proportion:
-            return batch
-        drawn = random.sample(list(self.batches), min(self.proportion, len(self.batches)))
-        self.batches.append(batch)
-        return {
-            key: torch.cat([value] + [other[key] for other in drawn], dim=0 if value.dim() == 1 else 1)
-            for key, value in batch.items()
-        }
-
-
 def learn(agent, optimizer, batch, args, global_step, world_size=1):
     """One update on a batch of rollouts [T + 1, B, ...] (every rank calls this with its own batch, in step):
     `update_epochs` passes, each of `num_minibatches` optimizer steps: the loss (V-trace under the current parameters),
@@ -467,6 +450,9 @@ def learn(agent, optimizer, batch, args, global_step, world_size=1):
     learning_rate = args.learning_rate * (fraction_left if args.anneal_lr else 1.0)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate
+    ent_coef = args.ent_coef
+    if args.ent_coef_final is not None:  # linear across the window, constant before and after it
+        ent_coef = float(np.interp(global_step, args.ent_anneal_window, (args.ent_coef, args.ent_coef_final)))
     if args.decoupled_clip:  # the proximal policy, around which every pass clips the ratio: the one before the batch
         with torch.no_grad():
             batch = {**batch, "proximal_logits": unroll(agent, batch)["logits"]}
@@ -475,7 +461,7 @@ def learn(agent, optimizer, batch, args, global_step, world_size=1):
         for epoch in range(args.update_epochs):
             where = f" on pass {epoch + 1}" if args.update_epochs > 1 else ""  # for the error messages
             for minibatch in split_batch(batch, args.num_minibatches):
-                loss, stats = compute_loss(agent, minibatch, args)
+                loss, stats = compute_loss(agent, minibatch, args, ent_coef)
                 stats = scalar_stats(stats, loss.device)
                 optimizer.zero_grad()
                 loss.backward()
@@ -497,13 +483,15 @@ def learn(agent, optimizer, batch, args, global_step, world_size=1):
                 steps.append(stats)
     stats = mean_stats(steps, args.update_epochs)
     stats["charts/learning_rate"] = learning_rate
+    stats["charts/ent_coef"] = ent_coef
     return stats
 
 
 # ======================================================================================================================
-# MACHINERY: what a researcher does not need to touch. Precision detection, video, evaluation, argument checks,
-# checkpoint I/O, the learner's counters and the ranks' stop agreement, then the main program: threads, supervision,
-# logging, restarts and shutdown.
+# MACHINERY: what a researcher does not need to touch. The batch helpers (the forward over rollouts, minibatches, the
+# replay buffer the learner thread mixes in), precision detection, video, evaluation, argument checks, checkpoint I/O,
+# the learner's counters and the ranks' stop agreement, then the main program: threads, supervision, logging, restarts
+# and shutdown.
 # ======================================================================================================================
 
 
@@ -527,6 +515,27 @@ def split_batch(batch, num_minibatches):
         {key: value[rollouts] if value.dim() == 1 else value[:, rollouts] for key, value in batch.items()}
         for rollouts in order.chunk(num_minibatches)
     ]
+
+
+class Replay:
+    """Experience replay as in LASER (Schmitt et al. 2020) and RLlib's IMPALA: each fresh batch is learned together with
+    `proportion` batches drawn at random from the last `capacity` fresh ones; V-trace (or the clipped surrogate, whose
+    ratio is to the acting policy) corrects their lag. Each rollout is learned from about 1 + proportion times."""
+
+    def __init__(self, proportion, capacity):
+        self.proportion, self.batches = proportion, collections.deque(maxlen=capacity)
+
+    def mix(self, batch):
+        """The fresh batch [T + 1, B, ...] followed along B by the drawn ones (fewer until that many are stored); then
+        stores the fresh one. The batch itself without replay."""
+        if not self.proportion:
+            return batch
+        drawn = random.sample(list(self.batches), min(self.proportion, len(self.batches)))
+        self.batches.append(batch)
+        return {
+            key: torch.cat([value] + [other[key] for other in drawn], dim=0 if value.dim() == 1 else 1)
+            for key, value in batch.items()
+        }
 
 
 class StatError(ValueError):
@@ -780,6 +789,9 @@ def check_args(args):
             f"error: --total-timesteps {args.total_timesteps} runs past --anneal-lr-timesteps {args.anneal_lr_timesteps}, "
             "after which the learning rate is 0: raise --anneal-lr-timesteps, or pass --no-anneal-lr"
         )
+    start, end = args.ent_anneal_window
+    if not 0 <= start < end:
+        sys.exit(f"error: --ent-anneal-window {start} {end} must start at step 0 or later and end after it starts")
     if args.clip_coef is not None and args.clip_coef >= 1:
         sys.exit(
             f"error: --clip-coef {args.clip_coef} leaves the ratio no lower bound (1 - clip <= 0): pass a value below 1 "

@@ -47,9 +47,9 @@ def counting_loss(script, monkeypatch, bad_call=None, extra=None):
     calls = []
     compute_loss = script.compute_loss
 
-    def wrapped(agent, batch, args):
+    def wrapped(agent, batch, args, ent_coef):
         calls.append(batch["obs"].shape[1])
-        loss, stats = compute_loss(agent, batch, args)
+        loss, stats = compute_loss(agent, batch, args, ent_coef)
         stats["stats/call"] = torch.tensor(float(len(calls)))
         if extra is not None:
             stats.update(extra(len(calls)))
@@ -111,6 +111,21 @@ def test_learning_rate_anneals_over_its_horizon(script, global_step, horizon, ra
     stats = script.learn(agent, optimizer, batch, args, global_step=global_step)
     assert stats["charts/learning_rate"] == pytest.approx(rate)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(rate)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+@pytest.mark.parametrize("final, global_step, coef", [(None, 1_500_000, 0.01), (0.001, 0, 0.01), (0.001, 1_000_000, 0.01),
+                                                      (0.001, 1_500_000, 0.0055), (0.001, 1_750_000, 0.00325),
+                                                      (0.001, 2_000_000, 0.001), (0.001, 9_000_000, 0.001)])  # fmt: skip
+def test_entropy_coefficient_anneals_across_its_window(script, final, global_step, coef):
+    """--ent-coef-final takes --ent-coef (0.01) linearly to itself across --ent-anneal-window (by default steps 1M to 2M,
+    the 4th to 8th million Atari frames), constant before and after; without it the coefficient stays. The loss that
+    learn minimizes is compute_loss's with that coefficient."""
+    args, agent, optimizer, batch = setup(script, ent_coef_final=final)
+    expected_loss, _ = script.compute_loss(copy.deepcopy(agent), batch, args, coef)
+    stats = script.learn(agent, optimizer, batch, args, global_step=global_step)
+    assert stats["charts/ent_coef"] == pytest.approx(coef)
+    assert stats["losses/loss"] == pytest.approx(expected_loss.item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
@@ -210,6 +225,14 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         (dict(learning_rate=0.0), "error: --learning-rate must be positive, got 0.0"),
         (dict(adam_eps=-1e-8), "error: --adam-eps must be positive, got -1e-08"),
         (dict(rmsprop_eps=0.0), "error: --rmsprop-eps must be positive, got 0.0"),
+        (
+            dict(ent_anneal_window=(2000, 1000)),
+            "error: --ent-anneal-window 2000 1000 must start at step 0 or later and end after it starts",
+        ),
+        (
+            dict(ent_anneal_window=(-5, 1000)),
+            "error: --ent-anneal-window -5 1000 must start at step 0 or later and end after it starts",
+        ),
     ],
     ids=[
         "epochs",
@@ -227,6 +250,8 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         "learning-rate",
         "adam-eps",
         "rmsprop-eps",
+        "ent-window-backwards",
+        "ent-window-negative",
     ],
 )
 def test_bad_learning_flags_are_one_error_before_anything_starts(script, flags, message):
@@ -245,7 +270,7 @@ def test_the_first_step_of_each_optimizer(script, name):
     args, agent, optimizer, batch = setup(script, optimizer=name, learning_rate=lr)
     assert type(optimizer) is {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}[name]
     twin = copy.deepcopy(agent)
-    loss, _ = script.compute_loss(twin, batch, args)
+    loss, _ = script.compute_loss(twin, batch, args, args.ent_coef)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(twin.parameters(), args.max_grad_norm)
     g = parameters_to_vector(p.grad for p in twin.parameters())

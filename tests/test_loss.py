@@ -166,7 +166,7 @@ def test_compute_loss_matches_reference(script, use_lstm, reward_clip, vtrace_la
     if decoupled:  # a proximal policy apart from both the agent's and the acting one
         batch["proximal_logits"] = 1.5 * torch.randn(T + 1, B, A, generator=torch.Generator().manual_seed(1))
     recorded = outputs_of(agent)
-    loss, stats = script.compute_loss(agent, batch, args)
+    loss, stats = script.compute_loss(agent, batch, args, args.ent_coef)
     loss.backward()
 
     logits = recorded["logits"].detach().double().requires_grad_()
