@@ -792,6 +792,11 @@ def check_args(args):
     start, end = args.ent_anneal_window
     if not 0 <= start < end:
         sys.exit(f"error: --ent-anneal-window {start} {end} must start at step 0 or later and end after it starts")
+    if args.ent_coef_final is not None and args.total_timesteps <= start:
+        sys.exit(
+            f"error: --total-timesteps {args.total_timesteps} ends before --ent-anneal-window starts ({start}), so "
+            "--ent-coef-final would change nothing: pass a window within the run"
+        )
     if args.clip_coef is not None and args.clip_coef >= 1:
         sys.exit(
             f"error: --clip-coef {args.clip_coef} leaves the ratio no lower bound (1 - clip <= 0): pass a value below 1 "

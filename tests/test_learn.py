@@ -233,6 +233,11 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
             dict(ent_anneal_window=(-5, 1000)),
             "error: --ent-anneal-window -5 1000 must start at step 0 or later and end after it starts",
         ),
+        (
+            dict(total_timesteps=500_000, ent_coef_final=0.001),
+            "error: --total-timesteps 500000 ends before --ent-anneal-window starts (1000000), so --ent-coef-final "
+            "would change nothing: pass a window within the run",
+        ),
     ],
     ids=[
         "epochs",
@@ -252,6 +257,7 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         "rmsprop-eps",
         "ent-window-backwards",
         "ent-window-negative",
+        "ent-window-after-the-run",
     ],
 )
 def test_bad_learning_flags_are_one_error_before_anything_starts(script, flags, message):
