@@ -7,12 +7,15 @@ import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import re
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 
 import envpool
@@ -23,22 +26,35 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(script, *args, cwd, timeout=600, env=None):
+def run(script, *args, cwd, timeout=600, env=None, stop=None):
     """Runs `python script args...` in `cwd` (its runs/ folder lands there), with `env` added to the environment;
     returns the CompletedProcess. The script runs as `__main__` in a new process forked from a server that has already
     imported the libraries (`SERVER`): the same script, flags, environment, folder and sys.path as in a new interpreter,
     without the ~2.5 s of imports each run would pay there (most of the suite's time). A run that sets a variable read
     at an interpreter's or a library's start (`startup_variables`), or IMPALA_TESTS_NEW_INTERPRETER=1, gets a new
-    interpreter."""
+    interpreter. With `stop`, a function of the run's stdout so far, checked every second: once it returns True the
+    run gets SIGTERM, as from a user's `kill` (it saves its checkpoint and exits)."""
     command = [sys.executable, os.path.join(ROOT, script), *map(str, args)]
     env = {**os.environ, **(env or {})}
-    if env.get("IMPALA_TESTS_NEW_INTERPRETER") == "1" or startup_variables(env) != startup_variables(server_environment()):
-        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    new_interpreter = env.get("IMPALA_TESTS_NEW_INTERPRETER") == "1"
+    new_interpreter = new_interpreter or startup_variables(env) != startup_variables(server_environment())
     with tempfile.TemporaryDirectory() as outputs:
         out, err = os.path.join(outputs, "stdout"), os.path.join(outputs, "stderr")
-        process = SERVER.Process(target=run_as_main, args=(command[1:], str(cwd), env, interpreter_path(), out, err))
-        process.start()
-        process.join(timeout)
+        if new_interpreter:
+            with open(out, "w") as f_out, open(err, "w") as f_err:
+                process = Popen(command, cwd=cwd, stdout=f_out, stderr=f_err, env=env)
+        else:
+            process = SERVER.Process(target=run_as_main, args=(command[1:], str(cwd), env, interpreter_path(), out, err))
+            process.start()
+        deadline = time.monotonic() + timeout
+        stopped = False
+        while process.is_alive() and time.monotonic() < deadline:
+            process.join(min(1.0, max(deadline - time.monotonic(), 0.0)))
+            if stop is not None and not stopped and process.is_alive():
+                with open(out) as f_out:
+                    stopped = stop(f_out.read())
+                if stopped:
+                    os.kill(process.pid, signal.SIGTERM)
         timed_out = process.is_alive()
         if timed_out:
             process.kill()
@@ -48,6 +64,24 @@ def run(script, *args, cwd, timeout=600, env=None):
     if timed_out:
         raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
     return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
+
+
+class Popen(subprocess.Popen):
+    """A new interpreter's run, waited on as a forked one (`multiprocessing.Process`'s names), so that `run` treats both
+    alike."""
+
+    def is_alive(self):
+        return self.poll() is None
+
+    def join(self, timeout=None):
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    @property
+    def exitcode(self):
+        return self.poll()
 
 
 # The server that forks the runs, and the libraries it imports once: the scripts' and this module's (the forked
@@ -174,10 +208,12 @@ def error_line(result):
     return lines[0]
 
 
-def train(script, env_id, total_timesteps, flags, cwd, timeout=600, precision=None, env=None):
-    """Trains `script` on `env_id` for `total_timesteps` steps in `cwd` (which holds no run yet); returns its run folder.
-    With `precision`, checks that the run's first line reports that the network's forward runs in it."""
-    result = run(script, "--env-id", env_id, "--total-timesteps", total_timesteps, *flags, cwd=cwd, timeout=timeout, env=env)
+def train(script, env_id, total_timesteps, flags, cwd, timeout=600, precision=None, env=None, stop=None):
+    """Trains `script` on `env_id` for `total_timesteps` steps in `cwd` (which holds no run yet), or until `stop` (see
+    `run`); returns its run folder. With `precision`, checks that the run's first line reports that the network's
+    forward runs in it."""
+    flags = ["--env-id", env_id, "--total-timesteps", total_timesteps, *flags]
+    result = run(script, *flags, cwd=cwd, timeout=timeout, env=env, stop=stop)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = run_dirs(cwd)
     first_line = result.stdout.splitlines()[0]
@@ -189,8 +225,15 @@ def train(script, env_id, total_timesteps, flags, cwd, timeout=600, precision=No
 
 def steps_to_return(script, env_id, total_timesteps, flags, cwd, threshold, n=20):
     """Trains `script` on `env_id` for `total_timesteps` steps; returns the step at which the mean of `n` consecutive
-    full-game returns first reached `threshold` (None if it never did), and the last `n` returns."""
-    run_dir = train(script, env_id, total_timesteps, flags, cwd, timeout=900)
+    full-game returns first reached `threshold` (None if it never did), and the last `n` returns. The run stops early
+    once a progress line (every 5 s) shows the mean of its last 20 games at the threshold: those are 20 consecutive
+    games of the events too, so the steps after it could not change the answer."""
+
+    def reached_in_progress(stdout):
+        means = re.findall(r"episodic_return\(last 20\)=(\S+)", stdout)
+        return n == 20 and bool(means) and float(means[-1]) >= threshold
+
+    run_dir = train(script, env_id, total_timesteps, flags, cwd, timeout=900, stop=reached_in_progress)
     logged = scalars(run_dir, "charts/episodic_return")
     assert len(logged) >= n, logged
     returns = [value for _, value in logged]

@@ -43,3 +43,31 @@ def test_a_forked_run_is_a_new_interpreters_run(tmp_path, how):
     else:
         assert new.stdout.splitlines()[1:] == ["a thread the interpreter waits for", "atexit"]
         assert new.stderr.startswith("to stderr\n")
+
+
+COUNTER = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (print("terminated", flush=True), sys.exit(0)))
+for i in range(600):
+    print(i, flush=True)
+    time.sleep(0.1)
+sys.exit(5)
+"""
+
+
+@pytest.mark.parametrize("new_interpreter", ["0", "1"])
+def test_stop_terminates_the_run_once_its_output_says_so(tmp_path, new_interpreter):
+    """`stop` reads the output so far, each second: the run gets SIGTERM once it returns True, and no earlier."""
+    (tmp_path / "counter.py").write_text(COUNTER)
+    seen = []
+
+    def stop(stdout):
+        seen.append(len(stdout.splitlines()))
+        return seen[-1] >= 3
+
+    env = {"IMPALA_TESTS_NEW_INTERPRETER": new_interpreter}
+    result = run(str(tmp_path / "counter.py"), cwd=tmp_path, timeout=30, env=env, stop=stop)
+    lines = result.stdout.splitlines()
+    assert (result.returncode, lines[-1]) == (0, "terminated")
+    assert seen[-1] >= 3 > max(seen[:-1], default=0)
+    assert lines[:-1] == [str(i) for i in range(len(lines) - 1)] and 3 <= len(lines) - 1 <= seen[-1] + 5
