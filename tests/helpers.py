@@ -230,7 +230,7 @@ def steps_to_return(script, env_id, total_timesteps, flags, cwd, threshold, n=20
     games of the events too, so the steps after it could not change the answer."""
 
     def reached_in_progress(stdout):
-        means = re.findall(r"episodic_return\(last 20\)=(\S+)", stdout)
+        means = re.findall(r"episodic_return\(last 20\)=(\S+)\n", stdout)  # whole lines only
         return n == 20 and bool(means) and float(means[-1]) >= threshold
 
     run_dir = train(script, env_id, total_timesteps, flags, cwd, timeout=900, stop=reached_in_progress)
