@@ -114,6 +114,10 @@ class Args:
     """RMSProp epsilon"""
     adam_eps: float = 1e-5
     """Adam epsilon (with --optimizer adam; betas at torch's 0.9, 0.999)"""
+    norm_adv: bool = False
+    """normalize the policy gradient's advantages to mean 0, standard deviation 1 in each minibatch (PPO's)"""
+    loss_reduction: Literal["sum", "mean"] = "sum"
+    """the loss over a minibatch's steps: their sum (the paper's, with RMSProp) or their mean (PPO's, with Adam)"""
     gamma: float = 0.99
     """the discount factor"""
     ent_coef: float = 0.01
@@ -369,7 +373,8 @@ def compute_loss(agent, batch, args, ent_coef):
     """V-trace actor-critic loss on rollouts [T + 1, B, ...], with the entropy bonus's coefficient `ent_coef` (learn's).
 
     Losses are summed over T and B (as in the IMPALA paper and TorchBeast), not averaged; RMSProp divides the
-    gradient's scale out, so one learning rate serves batches of 160 (the default) and 640 steps (the paper's).
+    gradient's scale out, so one learning rate serves batches of 160 (the default) and 640 steps (the paper's). With
+    --loss-reduction mean they are averaged over the steps of episodes instead (PPO's, for its gradient-norm clip).
     """
     done = batch["terminated"] | batch["truncated"]
     output = unroll(agent, batch)
@@ -394,21 +399,29 @@ def compute_loss(agent, batch, args, ent_coef):
         clip_pg_rho_threshold=args.clip_pg_rho_threshold,
         lambda_=args.vtrace_lambda,
     )
-    if args.clip_coef is None:  # IMPALA: the V-trace policy gradient
-        policy_loss = -(vtrace_returns.pg_advantages * target_log_probs).sum()
-    else:  # APPO: PPO's clipped surrogate, whose ratio to the acting policy stands in for V-trace's clipped rho
+    if args.clip_coef is None:  # IMPALA: V-trace's policy-gradient advantages, its clipped rho included
+        advantages = vtrace_returns.pg_advantages
+    else:  # APPO: the same without rho, for which the clipped surrogate's ratio to the acting policy stands in
         vs_next = torch.cat([vtrace_returns.vs[1:], values[-1:].detach()])
         advantages = (rewards + discounts * vs_next - values[:-1].detach()).masked_fill(done[:-1], 0.0)
+    if args.norm_adv:  # PPO's: mean 0 and standard deviation 1 over the (mini)batch's steps of episodes
+        valid = advantages[~done[:-1]]
+        advantages = ((advantages - valid.mean()) / (valid.std() + 1e-8)).masked_fill(done[:-1], 0.0)
+    # The reduction over T x B: a sum, or the mean over the steps of episodes (--loss-reduction mean).
+    num_steps = (~done[:-1]).sum() if args.loss_reduction == "mean" else 1
+    if args.clip_coef is None:
+        policy_loss = -(advantages * target_log_probs).sum() / num_steps
+    else:  # PPO's clipped surrogate
         ratio, weights = log_rhos.exp(), 1.0  # the ratio 0 on a final obs, as its advantage
         if args.decoupled_clip:  # the ratio to the policy before the first pass; the lag behind it, V-trace's weight
             lag = vtrace.action_log_probs(batch["proximal_logits"][:-1], actions) - behavior_log_probs  # log q/mu
             ratio = (log_rhos - lag).exp()  # the current policy over the proximal one, 0 on a final obs as rho
             weights = lag.exp().clamp(max=args.clip_pg_rho_threshold)
         clipped_ratio = ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
-        policy_loss = -(weights * torch.min(ratio * advantages, clipped_ratio * advantages)).sum()
-    value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
+        policy_loss = -(weights * torch.min(ratio * advantages, clipped_ratio * advantages)).sum() / num_steps
+    value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum() / num_steps
     entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
-    loss = policy_loss + args.vf_coef * value_loss - ent_coef * entropy.sum()
+    loss = policy_loss + args.vf_coef * value_loss - ent_coef * entropy.sum() / num_steps
     stats = {
         "losses/policy_loss": policy_loss,
         "losses/value_loss": value_loss,
