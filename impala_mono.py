@@ -360,8 +360,6 @@ def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_que
             for index in indices:
                 full_queue.put(index)
         games.close()
-    except KeyboardInterrupt:
-        pass
     except Exception:
         traceback.print_exc()
         sys.stderr.write(f"actor {actor_index} failed\n")
@@ -830,8 +828,9 @@ class GameTracker:
             self.recorder.close()
 
 
-def evaluate(args, agent, obs_space, num_actions, version):
-    """Plays `eval_episodes` full games with one actor in this process; returns their returns."""
+def evaluate(args, agent, obs_space, num_actions, version, signals):
+    """Plays `eval_episodes` full games with one actor in this process, or fewer if a signal stops it; returns their
+    returns."""
     args.num_envs_per_actor, args.num_buffers = 1, 2
     buffers = create_buffers(args, obs_space, num_actions, agent.initial_state(1))
     free_queue, full_queue, episode_queue = queue.Queue(), queue.Queue(), queue.Queue()
@@ -843,7 +842,7 @@ def evaluate(args, agent, obs_space, num_actions, version):
     )
     thread.start()
     returns = []
-    while len(returns) < args.eval_episodes:
+    while len(returns) < args.eval_episodes and not signals.received:
         try:
             returns.append(episode_queue.get(timeout=0.01)[0])
         except queue.Empty:
@@ -1034,6 +1033,26 @@ def check_resumable(path, checkpoint, agent, optimizer=None):
         )
 
 
+class StopSignals:
+    """Ctrl-C (SIGINT) and SIGTERM (`kill`, `timeout`, a scheduler, torchrun) ask the run to stop. The handler only
+    counts them and never raises: the main loop stops the run when it sees the first, and any number more, at any
+    moment, cannot cut the shutdown or the checkpoint's save short. From the third on, each says what the run is waiting
+    for. A process forked from this one ignores them (its parent stops it); SIGKILL stops the run without saving."""
+
+    def __init__(self):
+        self.received, self.waiting_for, self.pid = 0, "the run to start (it stops once started)", os.getpid()
+        for signum in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell's background job starts with it ignored
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum, frame):
+        if os.getpid() != self.pid:
+            return
+        self.received += 1
+        if self.received >= 3:  # os.write, not print: the signal may have interrupted a print to the same stream
+            name = signal.Signals(signum).name
+            os.write(2, f"{name}: stopping; waiting for {self.waiting_for} (SIGKILL stops without saving)\n".encode())
+
+
 @dataclass
 class Progress:
     """The learner's counters, shared by its thread and the main loop."""
@@ -1066,9 +1085,10 @@ def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
     return True
 
 
-def train(args):
+def train(args, signals):
     """Trains (or, with --eval-checkpoint, evaluates) as the flags say: set up the agent, optimizer and writer, start
-    the actor processes and learner threads, supervise them, save on the way out. Returns the exit code."""
+    the actor processes and learner threads, supervise them, save on the way out (also when `signals`, a StopSignals,
+    received one). Returns the exit code."""
     checkpoint = load_checkpoint(args.resume or args.eval_checkpoint, args) if (args.resume or args.eval_checkpoint) else None
     if checkpoint is not None:
         args.run_name = os.path.basename(os.path.dirname(os.path.abspath(args.resume or args.eval_checkpoint)))
@@ -1097,7 +1117,11 @@ def train(args):
     actor_agent = copy.deepcopy(agent).to(agent.dtype).share_memory()
 
     if args.eval_checkpoint:
-        returns = evaluate(args, actor_agent, obs_space, num_actions, version=checkpoint["num_updates"])
+        returns = evaluate(args, actor_agent, obs_space, num_actions, checkpoint["num_updates"], signals)
+        if signals.received:
+            print(f"interrupted after {len(returns)} of {args.eval_episodes} games", flush=True)
+        if not len(returns):
+            return 0
         print(
             f"{args.env_id}: mean return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} games "
             f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})"
@@ -1146,11 +1170,8 @@ def train(args):
     actors = []
     for actor_index in range(args.num_actors):
         actor_args = (actor_index, args, actor_agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop)
-        process = ctx.Process(target=actor, args=actor_args, daemon=True)
-        # The main process shuts the actors down (`stop`): Ctrl-C and SIGTERM go to it alone.
-        sigint, sigterm = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        process = ctx.Process(target=actor, args=actor_args, daemon=True)  # forked: StopSignals ignores its signals
         process.start()
-        signal.signal(signal.SIGINT, sigint), signal.signal(signal.SIGTERM, sigterm)
         actors.append(process)
 
     # TRY NOT TO MODIFY: the learner threads; the update itself is `learn`
@@ -1198,11 +1219,9 @@ def train(args):
             traceback.print_exc()
             stop.set()
 
-    # TRY NOT TO MODIFY: run until done, watching the actors; save on the way out
-    # Both raise KeyboardInterrupt (the handler is set for SIGINT too: a shell's background job starts with it ignored).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    learners = [threading.Thread(target=learner_thread) for _ in range(args.num_learner_threads)]
+    # TRY NOT TO MODIFY: run until done or a signal, watching the actors; save on the way out
+    # daemon: a thread stuck past its bounded join (below) cannot keep the process alive
+    learners = [threading.Thread(target=learner_thread, daemon=True) for _ in range(args.num_learner_threads)]
     start_time = last_log = last_checkpoint = last_progress = time.time()
     start_step = last_progress_step = progress.global_step
     recent_returns = collections.deque(maxlen=20)
@@ -1210,8 +1229,12 @@ def train(args):
     try:
         for thread in learners:
             thread.start()
+        signals.waiting_for = "the run to stop"
         while any(thread.is_alive() for thread in learners):
             time.sleep(0.1)
+            if signals.received:
+                print(f"interrupted at global_step={progress.global_step}", flush=True)
+                break
             while not episode_queue.empty():
                 episodic_return, episodic_length = episode_queue.get()
                 recent_returns.append(episodic_return)
@@ -1245,34 +1268,40 @@ def train(args):
                 last_checkpoint = now
         if learner_errors:
             raise RuntimeError(learner_errors[0])
-    except KeyboardInterrupt:
-        print(f"interrupted at global_step={progress.global_step}", flush=True)
     except RuntimeError as e:
         print(f"error: {e}; stopping the run", file=sys.stderr, flush=True)
         exit_code = 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop.set()
+        # Each learner thread gets --stall-timeout to finish its update; the actors end their rollout or are killed.
+        signals.waiting_for = "the learner threads' updates"
         for thread in learners:
-            thread.join()
+            thread.join(timeout=args.stall_timeout)
+        stuck = any(thread.is_alive() for thread in learners)
+        signals.waiting_for = "the actor processes to stop"
         for process in actors:
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
-        saved = save_checkpoint(checkpoint_path, agent, optimizer, progress.global_step, progress.num_updates, args)
-        exit_code = exit_code if saved else 1
-        print(
-            f"{'saved' if saved else 'did not save'} {checkpoint_path} at global_step={progress.global_step} "
-            f"(mean of the last {len(recent_returns)} episodic returns: "
-            f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f})",
-            flush=True,
-        )
+        if stuck:
+            print("error: a learner's update did not end within --stall-timeout: not saving", file=sys.stderr, flush=True)
+            exit_code = 1
+        else:
+            signals.waiting_for = f"the checkpoint to be written to {checkpoint_path}"
+            saved = save_checkpoint(checkpoint_path, agent, optimizer, progress.global_step, progress.num_updates, args)
+            exit_code = exit_code if saved else 1
+            print(
+                f"{'saved' if saved else 'did not save'} {checkpoint_path} at global_step={progress.global_step} "
+                f"(mean of the last {len(recent_returns)} episodic returns: "
+                f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f})",
+                flush=True,
+            )
         writer.close()
     return exit_code
 
 
 if __name__ == "__main__":
+    signals = StopSignals()  # first: from here on a signal asks the run to stop, whenever it comes
     args = tyro.cli(Args)
     check_args(args)
-    sys.exit(train(args))
+    sys.exit(train(args, signals))

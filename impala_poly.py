@@ -659,14 +659,15 @@ class GameRecorder:
             os.remove(self.path)
 
 
-def evaluate(args, policy, device):
-    """Plays `eval_episodes` full games on one env, carrying the LSTM state; returns their returns."""
+def evaluate(args, policy, device, signals):
+    """Plays `eval_episodes` full games on one env, carrying the LSTM state, or fewer if a signal stops it; returns
+    their returns."""
     envs = make_env(args, num_envs=1, batch_size=1, seed=args.seed, num_threads=1)
     games, returns = GameTracker(1), []
     recorder = GameRecorder(lambda: envs.render()[0], os.path.join("videos", args.run_name), 0) if args.capture_video else None
     core_state = tuple(s.to(device) for s in policy.agent.initial_state(1))
     envs.async_reset()
-    while len(returns) < args.eval_episodes:
+    while len(returns) < args.eval_episodes and not signals.received:
         obs, reward, terminated, truncated, info = envs.recv()
         first, ended = games.update(info["env_id"], reward, terminated, truncated, info)
         returns += [game_return for _, game_return, _ in ended]
@@ -953,6 +954,26 @@ def check_resumable(path, checkpoint, agent, optimizer=None):
         )
 
 
+class StopSignals:
+    """Ctrl-C (SIGINT) and SIGTERM (`kill`, `timeout`, a scheduler, torchrun) ask the run to stop. The handler only
+    counts them and never raises: the main loop stops the run when it sees the first, and any number more, at any
+    moment, cannot cut the shutdown or the checkpoint's save short. From the third on, each says what the run is waiting
+    for. A process forked from this one ignores them (its parent stops it); SIGKILL stops the run without saving."""
+
+    def __init__(self):
+        self.received, self.waiting_for, self.pid = 0, "the run to start (it stops once started)", os.getpid()
+        for signum in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell's background job starts with it ignored
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum, frame):
+        if os.getpid() != self.pid:
+            return
+        self.received += 1
+        if self.received >= 3:  # os.write, not print: the signal may have interrupted a print to the same stream
+            name = signal.Signals(signum).name
+            os.write(2, f"{name}: stopping; waiting for {self.waiting_for} (SIGKILL stops without saving)\n".encode())
+
+
 @dataclass
 class Progress:
     """The learner's counters, shared by its thread and the main loop."""
@@ -1012,10 +1033,10 @@ def save_checkpoint(path, agent, optimizer, global_step, num_updates, args):
     return True
 
 
-def train(args):
+def train(args, signals):
     """Trains (or, with --eval-checkpoint, evaluates) as the flags say, on this rank: set up the agent, optimizer,
-    process group and writer, start the actor and learner threads, supervise them, save on the way out. Returns the
-    exit code."""
+    process group and writer, start the actor and learner threads, supervise them, save on the way out (also when
+    `signals`, a StopSignals, received one). Returns the exit code."""
 
     # TRY NOT TO MODIFY: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; a plain `python` run is rank 0 of 1
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -1062,7 +1083,11 @@ def train(args):
     agent.to(device)
 
     if args.eval_checkpoint:
-        returns = evaluate(args, ActingPolicy(agent, version=checkpoint["num_updates"]), device)
+        returns = evaluate(args, ActingPolicy(agent, version=checkpoint["num_updates"]), device, signals)
+        if signals.received:
+            print(f"interrupted after {len(returns)} of {args.eval_episodes} games", flush=True)
+        if not len(returns):
+            return 0
         print(
             f"{args.env_id}: mean return {returns.mean():.2f} +- {returns.std():.2f} over {len(returns)} games "
             f"({args.eval_checkpoint}, global_step {checkpoint['global_step']})"
@@ -1174,20 +1199,25 @@ def train(args):
             traceback.print_exc()
             stop.set()
 
-    # TRY NOT TO MODIFY: run until done; log, checkpoint, and save on the way out
-    # Both raise KeyboardInterrupt (the handler is set for SIGINT too: a shell's background job starts with it ignored).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    actor, learner = threading.Thread(target=actor_thread), threading.Thread(target=learner_thread)
+    # TRY NOT TO MODIFY: run until done or a signal; log, checkpoint, and save on the way out
+    # daemon: a thread stuck past its bounded join (below) cannot keep the process alive
+    actor = threading.Thread(target=actor_thread, daemon=True)
+    learner = threading.Thread(target=learner_thread, daemon=True)
     start_time = last_log = last_checkpoint = last_progress = time.time()
     start_step = last_progress_step = progress.global_step
     recent_returns = collections.deque(maxlen=20)
-    exit_code = 0
+    exit_code, interrupted = 0, False
     try:
         actor.start()
         learner.start()
+        signals.waiting_for = "the run to stop"
         while learner.is_alive():
             time.sleep(0.1)
+            if signals.received:
+                interrupted = True
+                if master_process:
+                    print(f"interrupted at global_step={progress.global_step}", flush=True)
+                break
             while episodes:
                 _, episodic_return, episodic_length = episodes.popleft()
                 recent_returns.append(episodic_return)
@@ -1224,21 +1254,26 @@ def train(args):
                 last_checkpoint = now
         if errors:
             raise RuntimeError(errors[0])
-        if world_size > 1 and params_in_sync != [True]:
+        if not interrupted and world_size > 1 and params_in_sync != [True]:
             raise RuntimeError(f"the parameters differ between ranks at update {progress.num_updates}")
-    except KeyboardInterrupt:
-        print(f"interrupted at global_step={progress.global_step}", flush=True)
     except RuntimeError as e:
         print(f"error: {e}; stopping the run", file=sys.stderr, flush=True)
         exit_code = 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop.set()
-        learner.join()
-        actor.join()
-        envs.close()
-        if master_process:
+        # The learner gets --stall-timeout to finish its update (its collectives with the ranks included), the actor
+        # its step of the envs.
+        signals.waiting_for = "the learner's update"
+        learner.join(timeout=args.stall_timeout)
+        signals.waiting_for = "the actor's step of the envs"
+        actor.join(timeout=args.stall_timeout)
+        if not actor.is_alive():
+            envs.close()
+        if learner.is_alive():
+            print("error: the learner's update did not end within --stall-timeout: not saving", file=sys.stderr, flush=True)
+            exit_code = 1
+        elif master_process:
+            signals.waiting_for = f"the checkpoint to be written to {checkpoint_path}"
             saved = save_checkpoint(checkpoint_path, agent, optimizer, progress.global_step, progress.num_updates, args)
             exit_code = exit_code if saved else 1
             in_sync = f", parameters identical on all {world_size} ranks" if params_in_sync == [True] else ""
@@ -1248,13 +1283,15 @@ def train(args):
                 f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f})",
                 flush=True,
             )
+        if writer is not None:
             writer.close()
-        if world_size > 1:
+        if world_size > 1 and not learner.is_alive():
             dist.destroy_process_group()
     return exit_code
 
 
 if __name__ == "__main__":
+    signals = StopSignals()  # first: from here on a signal asks the run to stop, whenever it comes
     args = tyro.cli(Args)
     check_args(args)
-    sys.exit(train(args))
+    sys.exit(train(args, signals))

@@ -161,6 +161,54 @@ def run_as_main(argv, cwd, env, path, out, err):
     os._exit(code)
 
 
+def run_as_main_in_own_group(*args):
+    """run_as_main in a process group of its own (as a shell gives each job): signals sent to the group reach the run
+    and the processes it forks, not the server or the tests."""
+    os.setpgid(0, 0)
+    run_as_main(*args)
+
+
+def handles_sigterm(pid):
+    """Whether the process has a handler for SIGTERM (from /proc: its caught-signals mask)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = int(next(line.split()[1] for line in f if line.startswith("SigCgt:")), 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+def run_with_signals(script, *args, cwd, bursts, timeout=60):
+    """Runs `python script args...` in `cwd`, as `run` does but in a process group of its own, and sends it bursts of
+    signals: `bursts` is a list of (moment, signals, to_group), sent in order, each once `moment(pid, stdout so far)`
+    holds (checked every 5 ms), its signals back to back to the process or (to_group) to its whole group. Returns the
+    CompletedProcess; raises TimeoutExpired if the run is not over `timeout` seconds after its start."""
+    command = [sys.executable, os.path.join(ROOT, script), *map(str, args)]
+    with tempfile.TemporaryDirectory() as outputs:
+        out, err = os.path.join(outputs, "stdout"), os.path.join(outputs, "stderr")
+        open(out, "w").close()
+        process = SERVER.Process(
+            target=run_as_main_in_own_group, args=(command[1:], str(cwd), dict(os.environ), interpreter_path(), out, err)
+        )
+        process.start()
+        deadline, pending = time.monotonic() + timeout, list(bursts)
+        while process.is_alive() and time.monotonic() < deadline:
+            if pending:
+                moment, signals, to_group = pending[0]
+                with open(out) as f_out:
+                    if moment(process.pid, f_out.read()):
+                        for signum in signals:
+                            (os.killpg if to_group else os.kill)(process.pid, signum)
+                        pending.pop(0)
+            process.join(0.005)
+        timed_out = process.is_alive()
+        if timed_out:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.join()
+        with open(out) as f_out, open(err) as f_err:
+            stdout, stderr = f_out.read(), f_err.read()
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
+
+
 def run_dirs(cwd):
     return sorted(glob.glob(os.path.join(cwd, "runs", "*")))
 

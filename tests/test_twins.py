@@ -12,7 +12,8 @@ from helpers import ROOT
 # Written twice on purpose: the same text in both scripts.
 TWINS = ["layer_init", "ResidualBlock", "ConvSequence", "mlp", "Agent", "make_agent", "compute_loss", "make_optimizer",
          "Replay", "unroll", "split_batch", "StatError", "scalar_stats", "mean_stats", "outputs_finite", "all_or_nothing",
-         "GameRecorder", "load_checkpoint", "check_resumable", "RUN_ONLY_FLAGS", "Progress", "save_checkpoint"]  # fmt: skip
+         "GameRecorder", "load_checkpoint", "check_resumable", "RUN_ONLY_FLAGS", "StopSignals", "Progress",
+         "save_checkpoint"]  # fmt: skip
 # Defined in both scripts but different, each for its own reasons (mono's ale-py envs and actor processes, poly's EnvPool
 # and torch.distributed).
 DIFFERENT = ["Args", "is_atari", "make_env", "learn", "bf16_native", "evaluate", "check_args", "GameTracker", "train"]
