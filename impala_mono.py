@@ -103,9 +103,6 @@ class Args:
     """the fresh batches --replay-proportion draws from: the last this many"""
     clip_coef: Optional[float] = None
     """APPO: PPO's clipped surrogate on V-trace's advantages, the ratio to the acting policy within 1 +- this"""
-    decoupled_clip: bool = False
-    """with --clip-coef: the ratio to the policy before the batch, its lag behind the acting one weighed by V-trace's
-    clipped rho (Hilton et al. 2021's decoupled surrogate): the clip bounds the passes' drift; 1 pass is IMPALA's"""
     optimizer: Literal["rmsprop", "adam"] = "rmsprop"
     """the paper's RMSProp, or Adam (PPO's and APPO's choice) with `adam_eps`"""
     rmsprop_alpha: float = 0.99
@@ -122,10 +119,6 @@ class Args:
     """the discount factor"""
     ent_coef: float = 0.01
     """coefficient of the entropy bonus"""
-    ent_coef_final: Optional[float] = None
-    """anneal the entropy coefficient linearly from --ent-coef to this across `ent_anneal_window` (None: constant)"""
-    ent_anneal_window: tuple[int, int] = (1_000_000, 2_000_000)
-    """the steps (start, end) of --ent-coef-final's anneal, whatever --total-timesteps: the 4th to 8th million frames"""
     vf_coef: float = 0.5
     """coefficient of the value (baseline) loss"""
     max_grad_norm: float = 40.0
@@ -134,8 +127,6 @@ class Args:
     """clip rewards to [-1, 1] in the loss (logged returns stay unclipped)"""
     network: Literal["shallow", "deep"] = "shallow"
     """Atari torso: the Nature CNN ("shallow") or the IMPALA ResNet ("deep")"""
-    layer_norm: bool = False
-    """Atari torso: a LayerNorm between its linear layer and that layer's ReLU (Ba et al. 2016; fewer dead units)"""
     use_lstm: bool = False
     """add an LSTM core; its state is reset at episode boundaries"""
     episodic_life: bool = True
@@ -147,7 +138,7 @@ class Args:
     clip_rho_threshold: float = 1.0
     """rho-bar, the importance weight clip for the value targets"""
     clip_pg_rho_threshold: float = 1.0
-    """the importance weight clip in the policy-gradient advantage (and of --decoupled-clip's weights)"""
+    """the importance weight clip in the policy-gradient advantage"""
     vtrace_lambda: float = 1.0
     """lambda, scales the trace coefficients c"""
 
@@ -225,9 +216,7 @@ class Agent(nn.Module):
     observations get separate policy and value MLPs of 256 ReLU units (README, implementation details). Observations
     are divided by `obs_scale` (default: 255 for images, 1 for vectors)."""
 
-    def __init__(
-        self, obs_shape, num_actions, network="shallow", use_lstm=False, bf16=False, obs_scale=None, layer_norm=False
-    ):
+    def __init__(self, obs_shape, num_actions, network="shallow", use_lstm=False, bf16=False, obs_scale=None):
         super().__init__()
         self.dtype = torch.bfloat16 if bf16 else torch.float32  # what the forward computes in
         self.obs_scale = obs_scale or (1.0 if len(obs_shape) == 1 else 255.0)
@@ -251,8 +240,7 @@ class Agent(nn.Module):
                 convs = [ConvSequence(obs_shape[0], 16), ConvSequence(16, 32), ConvSequence(32, 32), nn.Flatten(), nn.ReLU()]
             with torch.no_grad():  # the flattened size, from a dummy frame through the layers
                 flat_size = nn.Sequential(*convs)(torch.zeros(1, *obs_shape)).shape[1]
-            norm = nn.LayerNorm(hidden) if layer_norm else nn.Identity()  # Identity: no key, so older checkpoints load
-            self.torso = nn.Sequential(*convs, layer_init(nn.Linear(flat_size, hidden)), norm, nn.ReLU())
+            self.torso = nn.Sequential(*convs, layer_init(nn.Linear(flat_size, hidden)), nn.ReLU())
         self.lstm = nn.LSTMCell(hidden, max(hidden, 64)) if use_lstm else None
         core_size = self.lstm.hidden_size if use_lstm else hidden
         if len(obs_shape) == 1:
@@ -301,7 +289,7 @@ def make_agent(args, observation_space, action_space):
     """The agent for the env's spaces and the flags, built here alone: a new `Agent` argument is passed here. uint8
     observations (frames) are scaled to [0, 1]; others go in as they are."""
     obs_scale = 255.0 if observation_space.dtype == np.uint8 else 1.0
-    return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16, obs_scale, args.layer_norm)
+    return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16, obs_scale)
 
 
 # ALGO LOGIC: acting. Each actor process steps its envs with the shared CPU agent into shared-memory rollout slots
@@ -367,8 +355,8 @@ def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_que
 
 
 # ALGO LOGIC: learning
-def compute_loss(agent, batch, args, ent_coef):
-    """V-trace actor-critic loss on rollouts [T + 1, B, ...], with the entropy bonus's coefficient `ent_coef` (learn's).
+def compute_loss(agent, batch, args):
+    """V-trace actor-critic loss on rollouts [T + 1, B, ...].
 
     Losses are summed over T and B (as in the IMPALA paper and TorchBeast), not averaged; RMSProp divides the
     gradient's scale out, so one learning rate serves batches of 160 (the default) and 640 steps (the paper's). With
@@ -410,16 +398,12 @@ def compute_loss(agent, batch, args, ent_coef):
     if args.clip_coef is None:
         policy_loss = -(advantages * target_log_probs).sum() / num_steps
     else:  # PPO's clipped surrogate
-        ratio, weights = log_rhos.exp(), 1.0  # the ratio 0 on a final obs, as its advantage
-        if args.decoupled_clip:  # the ratio to the policy before the first pass; the lag behind it, V-trace's weight
-            lag = vtrace.action_log_probs(batch["proximal_logits"][:-1], actions) - behavior_log_probs  # log q/mu
-            ratio = (log_rhos - lag).exp()  # the current policy over the proximal one, 0 on a final obs as rho
-            weights = lag.exp().clamp(max=args.clip_pg_rho_threshold)
+        ratio = log_rhos.exp()  # 0 on a final obs, as its advantage
         clipped_ratio = ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
-        policy_loss = -(weights * torch.min(ratio * advantages, clipped_ratio * advantages)).sum() / num_steps
+        policy_loss = -torch.min(ratio * advantages, clipped_ratio * advantages).sum() / num_steps
     value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum() / num_steps
     entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
-    loss = policy_loss + args.vf_coef * value_loss - ent_coef * entropy.sum() / num_steps
+    loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum() / num_steps
     stats = {
         "losses/policy_loss": policy_loss,
         "losses/value_loss": value_loss,
@@ -430,7 +414,7 @@ def compute_loss(agent, batch, args, ent_coef):
         # than the acting one to take the action; near half once the two differ at all)
         "stats/rho_clipped": (log_rhos[~done[:-1]] > np.log(args.clip_rho_threshold)).float().mean(),
     }
-    if args.clip_coef is not None:  # the share of steps whose ratio (to the acting or the proximal policy) is outside
+    if args.clip_coef is not None:  # the share of steps whose ratio to the acting policy is outside the clip
         stats["stats/surrogate_clipped"] = ((ratio - 1).abs() > args.clip_coef)[~done[:-1]].float().mean()
     for i, activation in enumerate(output["activations"], 1):  # a unit (a conv's channel) 0 on every step learns nothing
         stats[f"stats/dead_units_{i}"] = (activation <= 0).transpose(0, 1).flatten(1).all(1).float().mean()
@@ -456,18 +440,12 @@ def learn(agent, optimizer, batch, args, global_step):
     learning_rate = args.learning_rate * (fraction_left if args.anneal_lr else 1.0)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate
-    ent_coef = args.ent_coef
-    if args.ent_coef_final is not None:  # linear across the window, constant before and after it
-        ent_coef = float(np.interp(global_step, args.ent_anneal_window, (args.ent_coef, args.ent_coef_final)))
-    if args.decoupled_clip:  # the proximal policy, around which every pass clips the ratio: the one before the batch
-        with torch.no_grad():
-            batch = {**batch, "proximal_logits": unroll(agent, batch)["logits"]}
     steps = []  # each optimizer step's stats
     with all_or_nothing(agent, optimizer):
         for epoch in range(args.update_epochs):
             where = f" on pass {epoch + 1}" if args.update_epochs > 1 else ""  # for the error messages
             for minibatch in split_batch(batch, args.num_minibatches):
-                loss, stats = compute_loss(agent, minibatch, args, ent_coef)
+                loss, stats = compute_loss(agent, minibatch, args)
                 stats = scalar_stats(stats, loss.device)
                 optimizer.zero_grad()
                 loss.backward()
@@ -484,7 +462,6 @@ def learn(agent, optimizer, batch, args, global_step):
                 steps.append(stats)
     stats = mean_stats(steps, args.update_epochs)
     stats["charts/learning_rate"] = learning_rate
-    stats["charts/ent_coef"] = ent_coef
     return stats
 
 
@@ -497,8 +474,7 @@ def learn(agent, optimizer, batch, args, global_step):
 
 
 def unroll(agent, batch):
-    """The network's outputs on rollouts [T + 1, B, ...], each from its stored core state (compute_loss's forward, and
-    --decoupled-clip's proximal policy)."""
+    """The network's outputs on rollouts [T + 1, B, ...], each from its stored core state (compute_loss's forward)."""
     done = batch["terminated"] | batch["truncated"]
     # After a final obs comes a reset obs; the stored core state is already reset for obs[0].
     first = torch.cat([torch.zeros_like(done[:1]), done[:-1]])
@@ -879,8 +855,6 @@ def check_args(args):
             f"error: --env-id {args.env_id} gives images of {obs_space.shape[1]}x{obs_space.shape[2]} (channels first): "
             "the Nature CNN (--network shallow) needs at least 36x36; use --network deep"
         )
-    if args.layer_norm and len(obs_space.shape) == 1:
-        sys.exit(f"error: --layer-norm normalizes the Atari torso; {args.env_id} has vector observations: drop the flag")
     for name in (
         "total_timesteps",
         "num_actors",
@@ -909,26 +883,15 @@ def check_args(args):
             f"error: --total-timesteps {args.total_timesteps} runs past --anneal-lr-timesteps {args.anneal_lr_timesteps}, "
             "after which the learning rate is 0: raise --anneal-lr-timesteps, or pass --no-anneal-lr"
         )
-    start, end = args.ent_anneal_window
-    if not 0 <= start < end:
-        sys.exit(f"error: --ent-anneal-window {start} {end} must start at step 0 or later and end after it starts")
-    if args.ent_coef_final is not None and args.total_timesteps <= start:
-        sys.exit(
-            f"error: --total-timesteps {args.total_timesteps} ends before --ent-anneal-window starts ({start}), so "
-            "--ent-coef-final would change nothing: pass a window within the run"
-        )
     if args.clip_coef is not None and args.clip_coef >= 1:
         sys.exit(
             f"error: --clip-coef {args.clip_coef} leaves the ratio no lower bound (1 - clip <= 0): pass a value below 1 "
             "(PPO: 0.1-0.2)"
         )
-    if args.decoupled_clip and args.clip_coef is None:
-        sys.exit("error: --decoupled-clip moves the clip of --clip-coef's surrogate: pass --clip-coef too (PPO: 0.1-0.2)")
-    if args.clip_coef is not None and not args.decoupled_clip and args.clip_pg_rho_threshold != 1.0:
+    if args.clip_coef is not None and args.clip_pg_rho_threshold != 1.0:
         sys.exit(
             f"error: --clip-pg-rho-threshold {args.clip_pg_rho_threshold} clips IMPALA's policy gradient, which "
-            f"--clip-coef {args.clip_coef} replaces with the clipped surrogate: pass one of the two, or add "
-            "--decoupled-clip, whose weights it clips"
+            f"--clip-coef {args.clip_coef} replaces with the clipped surrogate: pass one of the two"
         )
     if args.batch_size % args.num_minibatches:
         sys.exit(
@@ -981,7 +944,7 @@ def load_checkpoint(path, args):
     except Exception as e:
         sys.exit(f"error: cannot read checkpoint {path} ({type(e).__name__}): pass a checkpoint.pt written by this script")
     trained = {**vars(type(args)()), **trained}  # a flag newer than the checkpoint: it trained at the flag's default
-    for name in ("env_id", "network", "layer_norm", "use_lstm"):
+    for name in ("env_id", "network", "use_lstm"):
         if trained[name] != getattr(args, name):
             sys.exit(
                 f"error: checkpoint {path} is for --{name.replace('_', '-')} {trained[name]}, not {getattr(args, name)}: "

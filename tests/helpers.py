@@ -235,7 +235,6 @@ UPDATES_THEN_EVAL_CASES = [
     (False, [], DEFAULT_PRECISION),
     (True, [], DEFAULT_PRECISION),
     (False, ["--no-bf16"], "float32"),
-    (False, ["--layer-norm"], DEFAULT_PRECISION),  # its own network trained, saved and evaluated
 ]
 
 

@@ -40,7 +40,7 @@ def test_bf16_update_matches_float32(script, use_lstm):
     args = script.Args(env_id="Breakout-v5", use_lstm=use_lstm)
 
     def update(agent, batch):
-        loss, stats = script.compute_loss(agent, batch, args, args.ent_coef)
+        loss, stats = script.compute_loss(agent, batch, args)
         agent.zero_grad()
         loss.backward()
         grad = torch.cat([p.grad.flatten() for p in agent.parameters()])
@@ -105,7 +105,7 @@ def test_diagnostics(script):
             x = F.relu(layer(x.flatten(1) if isinstance(layer, nn.Linear) else x))  # [N, C, H, W] or [N, units]
             unit_max = x.amax(dim=[d for d in range(x.dim()) if d != 1])  # a unit's largest output over all steps
             expected.append((unit_max <= 0).float().mean().item())
-    _, stats = script.compute_loss(agent, batch, args, args.ent_coef)
+    _, stats = script.compute_loss(agent, batch, args)
     n = len(layers)
     assert stats["stats/value"].item() == pytest.approx(values[:-1].mean().item(), rel=1e-5)
     assert [stats[f"stats/dead_units_{i}"].item() for i in range(1, n + 1)] == pytest.approx(expected)
@@ -114,5 +114,5 @@ def test_diagnostics(script):
     for layer, bias, dead in ((last, -1e3, [*expected[:-1], 1]), (first, -1e3, [1] * n), (last, 1e3, [1] * (n - 1) + [0])):
         with torch.no_grad():
             layer.bias.fill_(bias)
-        stats = script.compute_loss(agent, batch, args, args.ent_coef)[1]
+        stats = script.compute_loss(agent, batch, args)[1]
         assert [stats[f"stats/dead_units_{i}"].item() for i in range(1, n + 1)] == pytest.approx(dead)

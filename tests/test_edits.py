@@ -41,17 +41,17 @@ def test_a_new_agent_argument_is_one_edit_in_make_agent(tmp_path, script):
     run (training, checkpoint and evaluation) builds the narrower network with no edit below the algorithm."""
     old = [
         NEW_FLAG[0],
-        "obs_scale=None, layer_norm=False\n    ):\n",  # the end of Agent's signature
+        "obs_scale=None):\n",  # the end of Agent's signature
         "            self.actor = mlp(core_size, num_actions, std=0.01)\n"
         "            self.critic = mlp(core_size, 1, std=1.0)\n",
-        "args.bf16, obs_scale, args.layer_norm)\n",  # the end of make_agent's call
+        "args.bf16, obs_scale)\n",  # the end of make_agent's call
     ]
     new = [
         '    mlp_width: int = 256\n    """units of the classic-control MLPs"""\n' + NEW_FLAG[0],
-        "obs_scale=None, layer_norm=False, mlp_width=256\n    ):\n",
+        "obs_scale=None, mlp_width=256):\n",
         "            self.actor = mlp(core_size, num_actions, std=0.01, hidden=mlp_width)\n"
         "            self.critic = mlp(core_size, 1, std=1.0, hidden=mlp_width)\n",
-        "args.bf16, obs_scale, args.layer_norm, args.mlp_width)\n",
+        "args.bf16, obs_scale, args.mlp_width)\n",
     ]
     path = edited_copy(tmp_path, script, old, new)
     run_dir = train(path, "CartPole-v1", 40, [*FLAGS[script], "--mlp-width", 32], tmp_path)

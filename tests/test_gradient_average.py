@@ -53,7 +53,7 @@ def rank_main(rank, world_size, store, out):
 def gradients(rank):
     """Rank `rank`'s gradient at the initial parameters, one tensor per parameter (zeros where it has none)."""
     agent, _, args = make_agent(use_head=rank == 0)
-    loss, _ = impala_poly.compute_loss(agent, rollout_batch(agent, seed=rank), args, args.ent_coef)
+    loss, _ = impala_poly.compute_loss(agent, rollout_batch(agent, seed=rank), args)
     grads = torch.autograd.grad(loss, list(agent.parameters()), allow_unused=True)
     return [torch.zeros_like(p) if g is None else g for p, g in zip(agent.parameters(), grads)]
 

@@ -47,9 +47,9 @@ def counting_loss(script, monkeypatch, bad_call=None, extra=None):
     calls = []
     compute_loss = script.compute_loss
 
-    def wrapped(agent, batch, args, ent_coef):
+    def wrapped(agent, batch, args):
         calls.append(batch["obs"].shape[1])
-        loss, stats = compute_loss(agent, batch, args, ent_coef)
+        loss, stats = compute_loss(agent, batch, args)
         stats["stats/call"] = torch.tensor(float(len(calls)))
         if extra is not None:
             stats.update(extra(len(calls)))
@@ -111,21 +111,6 @@ def test_learning_rate_anneals_over_its_horizon(script, global_step, horizon, ra
     stats = script.learn(agent, optimizer, batch, args, global_step=global_step)
     assert stats["charts/learning_rate"] == pytest.approx(rate)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(rate)
-
-
-@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
-@pytest.mark.parametrize("final, global_step, coef", [(None, 1_500_000, 0.01), (0.001, 0, 0.01), (0.001, 1_000_000, 0.01),
-                                                      (0.001, 1_500_000, 0.0055), (0.001, 1_750_000, 0.00325),
-                                                      (0.001, 2_000_000, 0.001), (0.001, 9_000_000, 0.001)])  # fmt: skip
-def test_entropy_coefficient_anneals_across_its_window(script, final, global_step, coef):
-    """--ent-coef-final takes --ent-coef (0.01) linearly to itself across --ent-anneal-window (by default steps 1M to 2M,
-    the 4th to 8th million Atari frames), constant before and after; without it the coefficient stays. The loss that
-    learn minimizes is compute_loss's with that coefficient."""
-    args, agent, optimizer, batch = setup(script, ent_coef_final=final)
-    expected_loss, _ = script.compute_loss(copy.deepcopy(agent), batch, args, coef)
-    stats = script.learn(agent, optimizer, batch, args, global_step=global_step)
-    assert stats["charts/ent_coef"] == pytest.approx(coef)
-    assert stats["losses/loss"] == pytest.approx(expected_loss.item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
@@ -209,11 +194,7 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         (
             dict(clip_coef=0.2, clip_pg_rho_threshold=2.0),
             "error: --clip-pg-rho-threshold 2.0 clips IMPALA's policy gradient, which --clip-coef 0.2 replaces with "
-            "the clipped surrogate: pass one of the two, or add --decoupled-clip, whose weights it clips",
-        ),
-        (
-            dict(decoupled_clip=True),
-            "error: --decoupled-clip moves the clip of --clip-coef's surrogate: pass --clip-coef too (PPO: 0.1-0.2)",
+            "the clipped surrogate: pass one of the two",
         ),
         (dict(replay_proportion=-1), "error: --replay-proportion must be 0 (no replay) or more, got -1"),
         (dict(replay_buffer=0), "error: --replay-buffer must be positive, got 0"),
@@ -225,19 +206,6 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         (dict(learning_rate=0.0), "error: --learning-rate must be positive, got 0.0"),
         (dict(adam_eps=-1e-8), "error: --adam-eps must be positive, got -1e-08"),
         (dict(rmsprop_eps=0.0), "error: --rmsprop-eps must be positive, got 0.0"),
-        (
-            dict(ent_anneal_window=(2000, 1000)),
-            "error: --ent-anneal-window 2000 1000 must start at step 0 or later and end after it starts",
-        ),
-        (
-            dict(ent_anneal_window=(-5, 1000)),
-            "error: --ent-anneal-window -5 1000 must start at step 0 or later and end after it starts",
-        ),
-        (
-            dict(total_timesteps=500_000, ent_coef_final=0.001),
-            "error: --total-timesteps 500000 ends before --ent-anneal-window starts (1000000), so --ent-coef-final "
-            "would change nothing: pass a window within the run",
-        ),
     ],
     ids=[
         "epochs",
@@ -248,16 +216,12 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         "clip-coef",
         "clip-coef-1",
         "two-policy-clips",
-        "decoupled-without-clip",
         "replay-proportion",
         "replay-buffer",
         "replay-buffer-small",
         "learning-rate",
         "adam-eps",
         "rmsprop-eps",
-        "ent-window-backwards",
-        "ent-window-negative",
-        "ent-window-after-the-run",
     ],
 )
 def test_bad_learning_flags_are_one_error_before_anything_starts(script, flags, message):
@@ -276,7 +240,7 @@ def test_the_first_step_of_each_optimizer(script, name):
     args, agent, optimizer, batch = setup(script, optimizer=name, learning_rate=lr)
     assert type(optimizer) is {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}[name]
     twin = copy.deepcopy(agent)
-    loss, _ = script.compute_loss(twin, batch, args, args.ent_coef)
+    loss, _ = script.compute_loss(twin, batch, args)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(twin.parameters(), args.max_grad_norm)
     g = parameters_to_vector(p.grad for p in twin.parameters())
@@ -348,30 +312,6 @@ def test_surrogate_clipping_is_counted_per_pass(script):
     assert stats["stats/surrogate_clipped"] == pytest.approx(
         sum(stats[f"stats/surrogate_clipped_pass{k}"] for k in (1, 2, 3)) / 3
     )
-
-
-@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
-def test_decoupled_clip_bounds_the_passes_drift_not_the_lag(script):
-    """With --decoupled-clip the ratio is taken to the policy before the batch, not to the acting one: behaviour logits
-    far from the agent's clip most steps of the first pass under APPO's ratio and none under the decoupled one, whose
-    later passes clip as the policy moves. One pass of it is IMPALA's update: the same parameters after it."""
-    flags = dict(clip_coef=1e-3, learning_rate=1e-2)
-    args, agent, optimizer, batch = setup(script, update_epochs=3, **flags)
-    acting_stats = script.learn(agent, optimizer, batch, args, global_step=0)
-    args, agent, optimizer, batch = setup(script, update_epochs=3, decoupled_clip=True, **flags)
-    stats = script.learn(agent, optimizer, batch, args, global_step=0)
-    assert acting_stats["stats/surrogate_clipped_pass1"] > 0.9
-    assert stats["stats/surrogate_clipped_pass1"] == 0.0
-    assert 0.0 < stats["stats/surrogate_clipped_pass2"] <= stats["stats/surrogate_clipped_pass3"] <= 1.0
-
-    impala = setup(script)
-    one_pass = setup(script, clip_coef=0.1, decoupled_clip=True)
-    for args, agent, optimizer, batch in (impala, one_pass):
-        script.learn(agent, optimizer, batch, args, global_step=0)
-    torch.testing.assert_close(
-        parameters_to_vector(one_pass[1].parameters()), parameters_to_vector(impala[1].parameters()), rtol=0, atol=1e-7
-    )
-    assert not torch.equal(parameters_to_vector(impala[1].parameters()), parameters_to_vector(setup(script)[1].parameters()))
 
 
 @pytest.mark.learning

@@ -6,9 +6,6 @@ IMPALA (Espeholt et al. 2018, https://arxiv.org/abs/1802.01561), section 4, for 
     policy gradient: min(pg_rho_bar, rho_s) (r_{s+1} + gamma v_{s+1} - V(x_s)) grad log pi(a_s | x_s),
 or with a clip epsilon (APPO: PPO's clipped surrogate, Schulman et al. 2017, on V-trace's advantages) the gradient of
     min(rho_s A_s, clip(rho_s, 1 - epsilon, 1 + epsilon) A_s),  A_s = r_{s+1} + gamma v_{s+1} - V(x_s),
-or, decoupled (Hilton et al. 2021: the ratio to a proximal policy pi_prox, the lag behind it importance-weighted),
-    min(pg_rho_bar, pi_prox(a_s | x_s) / mu(a_s | x_s)) min(q_s A_s, clip(q_s, 1 - epsilon, 1 + epsilon) A_s),
-    q_s = pi(a_s | x_s) / pi_prox(a_s | x_s),
 where x_e is the episode's final obs (V(x_e) = 0 if it terminated, V(x_e) itself if the time limit truncated it) or the
 rollout's last obs x_T (the bootstrap). An env ignores the action on a final obs and returns the reset obs: that step is
 no transition of any episode and gives no loss. The losses are summed over time and batch (as TorchBeast does): policy
@@ -64,7 +61,6 @@ def reference_loss(logits, values, batch, args):
     [T + 1, B] are float64 leaves; the V-trace targets and advantages are constants (no gradient), as in the paper."""
     log_pi = F.log_softmax(logits, dim=-1)
     log_mu = F.log_softmax(batch["logits"].double(), dim=-1)
-    log_prox = F.log_softmax(batch["proximal_logits"].double(), dim=-1) if args.decoupled_clip else None
     V = values.detach().tolist()  # V[t][b]
     gamma, lam = args.gamma, args.vtrace_lambda
     policy_loss = value_loss = entropy = 0.0
@@ -111,14 +107,9 @@ def reference_loss(logits, values, batch, args):
         if args.clip_coef is None:
             policy_loss = policy_loss - advantage * log_pi[s, b, action]
         else:
-            log_anchor, weight = log_mu, 1.0  # APPO: the ratio rho[s], unweighted
-            if args.decoupled_clip:  # the ratio q_s, weighed by the proximal policy's clipped lag
-                log_anchor = log_prox
-                lag = math.exp(log_prox[s, b, action].item() - log_mu[s, b, action].item())
-                weight = min(args.clip_pg_rho_threshold, lag)
-            ratio = (log_pi[s, b, action] - log_anchor[s, b, action]).exp()  # with its gradient
+            ratio = (log_pi[s, b, action] - log_mu[s, b, action]).exp()  # APPO: the ratio rho[s], with its gradient
             clipped = ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
-            policy_loss = policy_loss - weight * torch.min(ratio * advantage, clipped * advantage)
+            policy_loss = policy_loss - torch.min(ratio * advantage, clipped * advantage)
     num_steps = len(steps)
     scale = 1.0 / num_steps if args.loss_reduction == "mean" else 1.0
     policy_loss, value_loss = scale * policy_loss, scale * value_loss
@@ -149,28 +140,26 @@ def outputs_of(agent):
 @pytest.mark.parametrize("use_lstm", [False, True], ids=["mlp", "lstm"])
 @pytest.mark.parametrize("reward_clip", [True, False], ids=["clip", "no-clip"])
 @pytest.mark.parametrize(
-    "vtrace_lambda, clips, clip_coef, decoupled, norm_adv, loss_reduction",
+    "vtrace_lambda, clips, clip_coef, norm_adv, loss_reduction",
     [
-        (1.0, (1.0, 1.0), None, False, False, "sum"),
-        (0.6, (1.0, 1.0), None, False, False, "sum"),
-        (0.6, (2.0, 0.5), None, False, False, "sum"),
-        (0.6, (1.0, 1.0), 0.2, False, False, "sum"),
-        (0.6, (1.0, 0.5), 0.2, True, False, "sum"),
-        (0.6, (2.0, 0.5), None, False, True, "mean"),
-        (0.95, (1.0, 1.0), 0.1, False, True, "mean"),
+        (1.0, (1.0, 1.0), None, False, "sum"),
+        (0.6, (1.0, 1.0), None, False, "sum"),
+        (0.6, (2.0, 0.5), None, False, "sum"),
+        (0.6, (1.0, 1.0), 0.2, False, "sum"),
+        (0.6, (2.0, 0.5), None, True, "mean"),
+        (0.95, (1.0, 1.0), 0.1, True, "mean"),
     ],
     ids=[
         "lambda1",
         "lambda0.6",
         "lambda0.6-rho2-pg0.5",
         "lambda0.6-surrogate0.2",
-        "lambda0.6-pg0.5-decoupled0.2",
         "lambda0.6-rho2-pg0.5-normadv-mean",
         "lambda0.95-surrogate0.1-normadv-mean",
     ],
 )
 def test_compute_loss_matches_reference(
-    script, use_lstm, reward_clip, vtrace_lambda, clips, clip_coef, decoupled, norm_adv, loss_reduction
+    script, use_lstm, reward_clip, vtrace_lambda, clips, clip_coef, norm_adv, loss_reduction
 ):
     torch.manual_seed(0)
     agent = script.Agent((4,), A, use_lstm=use_lstm)
@@ -182,7 +171,6 @@ def test_compute_loss_matches_reference(
         clip_rho_threshold=clips[0],
         clip_pg_rho_threshold=clips[1],
         clip_coef=clip_coef,
-        decoupled_clip=decoupled,
         norm_adv=norm_adv,
         loss_reduction=loss_reduction,
         gamma=0.9,
@@ -190,10 +178,8 @@ def test_compute_loss_matches_reference(
         ent_coef=0.05,
     )
     batch = rollout_batch(agent)
-    if decoupled:  # a proximal policy apart from both the agent's and the acting one
-        batch["proximal_logits"] = 1.5 * torch.randn(T + 1, B, A, generator=torch.Generator().manual_seed(1))
     recorded = outputs_of(agent)
-    loss, stats = script.compute_loss(agent, batch, args, args.ent_coef)
+    loss, stats = script.compute_loss(agent, batch, args)
     loss.backward()
 
     logits = recorded["logits"].detach().double().requires_grad_()
@@ -213,8 +199,7 @@ def test_compute_loss_matches_reference(
     assert (batch["reward"].abs() > 1).sum() >= 5
     if clip_coef is not None:  # the surrogate's clip bites on some steps, not all: its share counted apart
         done = batch["terminated"][:-1] | batch["truncated"][:-1]
-        anchor = batch["proximal_logits"] if decoupled else batch["logits"]
-        log_ratios = F.log_softmax(logits.detach()[:-1], -1) - F.log_softmax(anchor[:-1].double(), -1)
+        log_ratios = F.log_softmax(logits.detach()[:-1], -1) - F.log_softmax(batch["logits"][:-1].double(), -1)
         ratios = log_ratios.gather(-1, batch["action"][:-1, :, None]).squeeze(-1).exp()
         outside = ((ratios - 1).abs() > clip_coef)[~done].double().mean().item()
         assert 0 < outside < 1
