@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Literal, Optional
 
@@ -158,7 +158,7 @@ class Args:
     # to be filled in runtime
     run_name: str = ""
     """the run's folder under runs/ (set from the checkpoint when resuming)"""
-    wandb_id: Optional[str] = None
+    wandb_id: tyro.conf.Suppress[Optional[str]] = None
     """the W&B run's id, kept in the checkpoint so that a resumed run continues it"""
 
 
@@ -864,6 +864,13 @@ def load_checkpoint(path, args):
         trained = checkpoint["args"]
     except Exception as e:
         sys.exit(f"error: cannot read checkpoint {path} ({type(e).__name__}): pass a checkpoint.pt written by this script")
+    newer = [name for name in vars(args) if name not in trained and name not in RUN_ONLY_FLAGS]
+    if newer:
+        print(
+            f"warning: {', '.join('--' + name.replace('_', '-') for name in newer)}: not in the checkpoint {path} "
+            "(written before the flag existed), taken as its default",
+            file=sys.stderr,
+        )
     trained = {**vars(type(args)()), **trained}  # a flag newer than the checkpoint: it trained at the flag's default
     for name in ("env_id", "network", "use_lstm"):
         if trained[name] != getattr(args, name):
@@ -886,24 +893,34 @@ def load_checkpoint(path, args):
     return checkpoint
 
 
-def check_resumable(path, checkpoint, agent, optimizer=None):
+def check_resumable(path, checkpoint, args, build, optimizer=None):
     """Exits with a one-line error, before anything starts and leaving the file as it is, if the checkpoint's network
-    (or optimizer, when given: resuming) is not the one the flags and the code build: an edited network or another
-    optimizer."""
-    saved = {key: tuple(value.shape) for key, value in checkpoint["model"].items()}
-    built = {key: tuple(value.shape) for key, value in agent.state_dict().items()}
+    (or optimizer, when given: resuming) is not the one the flags and the code build (`build(args)`): a flag that shapes
+    the network set otherwise than in training (named), an edited network, or another optimizer."""
+
+    def shapes(state):
+        return {key: tuple(value.shape) for key, value in state.items()}
+
+    saved, built = shapes(checkpoint["model"]), shapes(build(args).state_dict())
     if saved != built:
-        differ = sorted(set(saved.items()) ^ set(built.items()))[0][0]
+        trained = {**vars(type(args)()), **checkpoint["args"]}
+        differ = [name for name, value in vars(args).items() if name not in RUN_ONLY_FLAGS and trained[name] != value]
+        # the flags whose training value alone builds the saved network
+        flags = [name for name in differ if shapes(build(replace(args, **{name: trained[name]})).state_dict()) == saved]
+        doing = "evaluate" if optimizer is None else "resume"
+        if flags:
+            trained_with = ", ".join(f"--{name.replace('_', '-')} {trained[name]}" for name in flags)
+            sys.exit(f"error: checkpoint {path} was trained with {trained_with}: pass the same to {doing} it")
+        key = sorted(set(saved.items()) ^ set(built.items()))[0][0]
         sys.exit(
-            f"error: checkpoint {path} holds another network ({differ} differs): "
-            f"{'evaluate' if optimizer is None else 'resume'} it with the network it was trained with"
-            f"{'' if optimizer is None else ', or start a new run'}"
+            f"error: checkpoint {path} holds another network ({key} differs): {doing} it with the network it was trained "
+            f"with{'' if optimizer is None else ', or start a new run'}"
         )
     if optimizer is None:
         return
     # The state an optimizer keeps per parameter names it (RMSprop: square_avg; Adam: exp_avg, exp_avg_sq): take one
     # step with zero gradients on a copy to see what this one keeps.
-    probe = copy.deepcopy(agent)
+    probe = build(args)
     probe_optimizer = type(optimizer)(probe.parameters(), **optimizer.defaults)
     for p in probe.parameters():
         p.grad = torch.zeros_like(p)
@@ -1028,7 +1045,9 @@ def train(args, signals):
     spec = envpool.make_spec(args.env_id)
     agent = make_agent(args, spec.observation_space, spec.action_space)
     if checkpoint is not None:
-        check_resumable(load_path, checkpoint, agent, None if args.eval_checkpoint else make_optimizer(args, agent))
+        optimizer = None if args.eval_checkpoint else make_optimizer(args, agent)
+        build = lambda flags: make_agent(flags, spec.observation_space, spec.action_space)  # noqa: E731
+        check_resumable(load_path, checkpoint, args, build, optimizer)
     if world_size > 1:
         if use_cuda:
             torch.cuda.set_device(device)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import CARTPOLE_FLAGS as FLAGS
-from helpers import edited_copy, run, train
+from helpers import edited_copy, error_line, run, train
 
 pytestmark = pytest.mark.slow  # each edit is tried in a real run
 
@@ -32,6 +32,22 @@ def test_a_new_flag_is_covered_by_the_resume_warning(tmp_path, script):
     assert warnings == [
         f"warning: resuming {checkpoint} under other flags than it was trained with: --my-coef 2.0 (trained with 1.0); "
         "pass the training values to continue the same run"
+    ]
+
+
+@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
+def test_a_checkpoint_older_than_a_new_flag_names_it(tmp_path, script):
+    """A checkpoint written by the script before the edit, resumed by the edited one: the new flag is named as taken at
+    its default, the schedule or term it drives having had no say in training."""
+    run_dir = train(script, "CartPole-v1", 40, FLAGS[script], tmp_path)
+    checkpoint = os.path.join(run_dir, "checkpoint.pt")
+    path = edited_copy(tmp_path, script, *NEW_FLAG)
+    flags = [*FLAGS[script], "--resume", checkpoint, "--checkpoint-interval", 60]
+    result = run(path, "--env-id", "CartPole-v1", "--total-timesteps", 80, *flags, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        f"warning: --my-coef: not in the checkpoint {checkpoint} (written before the flag existed), taken as its default"
     ]
 
 
@@ -62,3 +78,9 @@ def test_a_new_agent_argument_is_one_edit_in_make_agent(tmp_path, script):
                  cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1].startswith("CartPole-v1: mean return ")
+
+    # Evaluated without the flag: refused, naming the flag to pass (not a parameter of the network).
+    result = run(path, "--env-id", "CartPole-v1", "--eval-checkpoint", checkpoint, "--eval-episodes", 1, cwd=tmp_path)
+    assert (
+        error_line(result) == f"error: checkpoint {checkpoint} was trained with --mlp-width 32: pass the same to evaluate it"
+    )

@@ -165,14 +165,21 @@ def test_resume_under_other_flags_warns(tmp_path, script, capsys):
         "50000000), --ent-coef 0.02 (trained with 0.01); pass the training values to continue the same run\n"
     )
 
-    # A checkpoint from before a flag existed trained at the flag's default: another value is named too.
+    # A checkpoint from before a flag existed trained at the flag's default: the flag is named, resumed or evaluated,
+    # and another value of it is named as a change too.
     checkpoint = torch.load(path, weights_only=True)
     del checkpoint["args"]["clip_coef"], checkpoint["args"]["ent_coef"]
     torch.save(checkpoint, path)
+    newer = (
+        f"warning: --clip-coef, --ent-coef: not in the checkpoint {path} (written before the flag existed), taken as its "
+        "default\n"
+    )
     script.load_checkpoint(path, script.Args(env_id="CartPole-v1", total_timesteps=1000, resume=path))
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().err == newer
+    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", eval_checkpoint=path))
+    assert capsys.readouterr().err == newer
     script.load_checkpoint(path, script.Args(env_id="CartPole-v1", clip_coef=0.2, ent_coef=0.02, resume=path))
-    assert capsys.readouterr().err == (
+    assert capsys.readouterr().err == newer + (
         f"warning: resuming {path} under other flags than it was trained with: --clip-coef 0.2 (trained with None), "
         "--ent-coef 0.02 (trained with 0.01); pass the training values to continue the same run\n"
     )
@@ -188,7 +195,8 @@ def test_evaluating_another_network_speaks_of_evaluation(tmp_path, script):
                                   script.Args(env_id="CartPole-v1"))  # fmt: skip
     torch.save(wider_network(path), path)
     with pytest.raises(SystemExit) as exit:
-        script.check_resumable(path, torch.load(path, weights_only=True), agent)
+        build = lambda flags: script.Agent((4,), 2)  # noqa: E731 (the network as the code builds it now)
+        script.check_resumable(path, torch.load(path, weights_only=True), script.Args(env_id="CartPole-v1"), build)
     assert exit.value.code == (
         f"error: checkpoint {path} holds another network (actor.0.weight differs): evaluate it with the network it was "
         "trained with"

@@ -15,7 +15,7 @@ TWINS = ["layer_init", "ResidualBlock", "ConvSequence", "mlp", "Agent", "make_ag
          "GameRecorder", "load_checkpoint", "check_resumable", "RUN_ONLY_FLAGS", "StopSignals", "Progress",
          "save_checkpoint"]  # fmt: skip
 # Defined in both scripts but different, each for its own reasons (mono's ale-py envs and actor processes, poly's EnvPool
-# and torch.distributed).
+# and torch.distributed). `learn` is checked apart: poly's is mono's plus the ranks' collectives.
 DIFFERENT = ["Args", "is_atari", "make_env", "learn", "bf16_native", "evaluate", "check_args", "GameTracker", "train"]
 
 
@@ -146,12 +146,46 @@ def test_a_flag_added_to_one_args_is_caught(tmp_path):
     )
 
 
-@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
-def test_the_algorithm_comes_first(script):
-    """A reader who wants the agent and the loss reads from the top and stops at the end of `learn`: within 500 lines,
-    above the MACHINERY fence."""
-    with open(os.path.join(ROOT, script)) as f:
-        source = f.read()
-    (learn,) = [node for node in ast.parse(source).body if getattr(node, "name", None) == "learn"]
-    fence = source[: source.index("# MACHINERY")].count("\n")
-    assert learn.end_lineno <= 500 and learn.end_lineno < fence, (learn.end_lineno, fence)
+def learn_difference(mono_source, poly_source):
+    """How the two `learn`s differ as code, beyond what only the ranks need: poly's `world_size` parameter and its
+    `if world_size > 1:` blocks (the gradients' all-reduce, the ranks' agreement on a step's outputs). Docstrings and
+    comments aside. "" when they are twins."""
+
+    def learn_code(source, collectives):
+        (node,) = [node for node in ast.parse(source).body if getattr(node, "name", None) == "learn"]
+        if ast.get_docstring(node) is not None:
+            node.body = node.body[1:]
+        if collectives:
+            node.args.args = [arg for arg in node.args.args if arg.arg != "world_size"]
+            node.args.defaults = node.args.defaults[: len(node.args.defaults) - 1]
+
+            class DropCollectives(ast.NodeTransformer):
+                def visit_If(self, branch):
+                    if ast.unparse(branch.test) == "world_size > 1" and not branch.orelse:
+                        return None
+                    return self.generic_visit(branch)
+
+            node = DropCollectives().visit(node)
+        return ast.unparse(node)
+
+    mono, poly = learn_code(mono_source, False), learn_code(poly_source, True)
+    diff = difflib.unified_diff(mono.splitlines(), poly.splitlines(), "impala_mono.py", "impala_poly.py", lineterm="")
+    return "\n".join(diff)
+
+
+def test_learn_is_a_twin_but_for_the_ranks():
+    with open(os.path.join(ROOT, "impala_mono.py")) as mono, open(os.path.join(ROOT, "impala_poly.py")) as poly:
+        difference = learn_difference(mono.read(), poly.read())
+    assert difference == "", f"learn differs between the scripts beyond the ranks' collectives: edit both copies\n{difference}"
+
+
+def test_a_schedule_edited_in_one_learn_is_caught():
+    """A user's edit: the learning rate's schedule changed (here: a warmup over the first 10k steps) in mono's learn
+    only. The check shows the line that differs."""
+    with open(os.path.join(ROOT, "impala_mono.py")) as mono, open(os.path.join(ROOT, "impala_poly.py")) as poly:
+        mono_source, poly_source = mono.read(), poly.read()
+    old = "    learning_rate = args.learning_rate * (fraction_left if args.anneal_lr else 1.0)\n"
+    assert mono_source.count(old) == 1
+    edited = mono_source.replace(old, old + "    learning_rate *= min(1.0, global_step / 10_000)\n")
+    difference = learn_difference(edited, poly_source)
+    assert "-    learning_rate *= min(1.0, global_step / 10000)" in difference.splitlines(), difference
