@@ -13,15 +13,18 @@ import os
 # over the cores. The learner sets its own torch thread count (--num-torch-threads).
 os.environ["OMP_NUM_THREADS"] = "1"
 
+import ast
 import collections
 import contextlib
 import copy
 import importlib.util
+import inspect
 import queue
 import random
 import shutil
 import signal
 import sys
+import textwrap
 import threading
 import time
 import traceback
@@ -292,6 +295,12 @@ def make_agent(args, observation_space, action_space):
     return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16, obs_scale)
 
 
+# What the acting side records for the learner at each step, besides the env's fields (obs, reward, terminated,
+# truncated) and the action taken: these outputs of the agent's forward on the obs, by name. compute_loss reads each as
+# batch[name], [T + 1, B, ...]; a new recorded quantity (the acting policy's values, for a value clip) is one more name.
+RECORDED_OUTPUTS = ("logits",)
+
+
 # ALGO LOGIC: acting. Each actor process steps its envs with the shared CPU agent into shared-memory rollout slots
 # (create_buffers, below the fence: [num_buffers, T + 1, ...] per key)
 def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop):
@@ -319,8 +328,9 @@ def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_que
         def act(core_state):
             with torch.no_grad():
                 output = agent(step["obs"][None], first[None], core_state)
-            step["logits"] = output["logits"][0]
-            step["action"] = torch.multinomial(torch.softmax(step["logits"], dim=-1), 1).squeeze(-1)
+            for key in RECORDED_OUTPUTS:
+                step[key] = output[key][0]
+            step["action"] = torch.multinomial(torch.softmax(output["logits"][0], dim=-1), 1).squeeze(-1)
             return output["core_state"]
 
         next_core_state = act(core_state)
@@ -717,18 +727,24 @@ class GameRecorder:
             os.remove(self.path)
 
 
-def create_buffers(args, obs_space, num_actions, core_state):
-    """Shared-memory rollout slots: [num_buffers, T + 1, ...] per step, [num_buffers, ...] per rollout."""
+def create_buffers(args, obs_space, agent):
+    """Shared-memory rollout slots: [num_buffers, T + 1, ...] per step, [num_buffers, ...] per rollout. The agent's
+    RECORDED_OUTPUTS get their shapes from a forward on one zero obs."""
     T = args.unroll_length
+    obs_dtype = torch.from_numpy(np.zeros(0, obs_space.dtype)).dtype
+    core_state = agent.initial_state(1)
+    with torch.no_grad():
+        output = agent(torch.zeros(1, 1, *obs_space.shape, dtype=obs_dtype), torch.ones(1, 1, dtype=torch.bool), core_state)
     specs = dict(
-        obs=((T + 1, *obs_space.shape), torch.from_numpy(np.zeros(0, obs_space.dtype)).dtype),
+        obs=((T + 1, *obs_space.shape), obs_dtype),
         reward=((T + 1,), torch.float32),  # reward received on arriving at obs[t], unclipped
         terminated=((T + 1,), torch.bool),  # obs[t] is terminal (a lost life counts with --episodic-life)
         truncated=((T + 1,), torch.bool),  # obs[t] is the last of an episode cut by the time limit
         action=((T + 1,), torch.int64),  # action taken on obs[t]
-        logits=((T + 1, num_actions), torch.float32),  # behavior policy logits on obs[t]
         policy_version=((), torch.int64),  # learner updates done when the rollout started
     )
+    for key in RECORDED_OUTPUTS:  # the behavior policy's outputs on obs[t] (logits [T + 1, A], ...)
+        specs[key] = ((T + 1, *output[key].shape[2:]), output[key].dtype)
     if core_state:
         specs["core_state"] = ((len(core_state), *core_state[0].shape[1:]), torch.float32)  # before obs[0]
     needed = sum(args.num_buffers * int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs.values())
@@ -805,11 +821,11 @@ class GameTracker:
             self.recorder.close()
 
 
-def evaluate(args, agent, obs_space, num_actions, version, signals):
+def evaluate(args, agent, obs_space, version, signals):
     """Plays `eval_episodes` full games with one actor in this process, or fewer if a signal stops it; returns their
     returns."""
     args.num_envs_per_actor, args.num_buffers = 1, 2
-    buffers = create_buffers(args, obs_space, num_actions, agent.initial_state(1))
+    buffers = create_buffers(args, obs_space, agent)
     free_queue, full_queue, episode_queue = queue.Queue(), queue.Queue(), queue.Queue()
     for index in range(args.num_buffers):
         free_queue.put(index)
@@ -929,6 +945,32 @@ def check_args(args):
         path = getattr(args, name)
         if path is not None and not os.path.isfile(path):
             sys.exit(f"error: --{name.replace('_', '-')} {path}: no such file")
+    check_batch_reads()
+
+
+def check_batch_reads(functions=None):
+    """Exits with a one-line error, before anything starts, if the learner's code (compute_loss, learn, unroll) reads a
+    key of the batch, as batch["name"], that the acting side does not record: the env's fields, the action, the
+    policy version, the core state and RECORDED_OUTPUTS. Keys the code adds to a batch itself count as recorded."""
+    recorded = {"obs", "reward", "terminated", "truncated", "action", "policy_version", "core_state", *RECORDED_OUTPUTS}
+    for function in functions or (compute_loss, learn, unroll):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        for node in ast.walk(tree):  # keys added: {**batch, "name": ...} and batch["name"] = ...
+            if isinstance(node, ast.Dict) and any(isinstance(key, ast.Constant) for key in node.keys):
+                recorded |= {key.value for key in node.keys if isinstance(key, ast.Constant)}
+        for node in ast.walk(tree):
+            reads = (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "batch"
+                and isinstance(node.slice, ast.Constant)
+                and isinstance(node.ctx, ast.Load)
+            )
+            if reads and node.slice.value not in recorded:
+                sys.exit(
+                    f"error: {function.__name__} reads batch[{node.slice.value!r}], which the actors do not record: add "
+                    f"{node.slice.value!r} to RECORDED_OUTPUTS if it is an output of Agent.forward"
+                )
 
 
 # The flags that change how a run is run, watched or stored, not what it learns; every other flag is a learning flag,
@@ -1086,7 +1128,7 @@ def train(args, signals):
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
     env = make_env(args)
-    obs_space, num_actions = env.observation_space, env.action_space.n
+    obs_space = env.observation_space
     env.close()
     agent = make_agent(args, obs_space, env.action_space)
     if checkpoint is not None:
@@ -1099,7 +1141,7 @@ def train(args, signals):
     actor_agent = copy.deepcopy(agent).to(agent.dtype).share_memory()
 
     if args.eval_checkpoint:
-        returns = evaluate(args, actor_agent, obs_space, num_actions, checkpoint["num_updates"], signals)
+        returns = evaluate(args, actor_agent, obs_space, checkpoint["num_updates"], signals)
         if signals.received:
             print(f"interrupted after {len(returns)} of {args.eval_episodes} games", flush=True)
         if not len(returns):
@@ -1142,7 +1184,7 @@ def train(args, signals):
     print(f"{run_dir}: learner on {device}, network forward in {precision}", flush=True)
 
     # TRY NOT TO MODIFY: start the actors
-    buffers = create_buffers(args, obs_space, num_actions, agent.initial_state(1))
+    buffers = create_buffers(args, obs_space, actor_agent)
     ctx = mp.get_context("fork")
     free_queue, full_queue, episode_queue = ctx.Queue(), ctx.Queue(), ctx.Queue()
     policy_version = ctx.Value("l", progress.num_updates)

@@ -12,16 +12,19 @@ and Cleanba (async EnvPool, one bounded queue to the learner); the agent and the
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr <first machine> impala_poly.py --env-id Breakout-v5
 """
 
+import ast
 import collections
 import contextlib
 import copy
 import importlib.util
+import inspect
 import os
 import queue
 import random
 import shutil
 import signal
 import sys
+import textwrap
 import threading
 import time
 import traceback
@@ -294,6 +297,12 @@ def make_agent(args, observation_space, action_space):
     return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16, obs_scale)
 
 
+# What the acting side records for the learner at each step, besides the env's fields (obs, reward, terminated,
+# truncated) and the action taken: these outputs of the agent's forward on the obs, by name. compute_loss reads each as
+# batch[name], [T + 1, B, ...]; a new recorded quantity (the acting policy's values, for a value clip) is one more name.
+RECORDED_OUTPUTS = ("logits",)
+
+
 # ALGO LOGIC: acting. The envs' async batches go through one batched inference; finished rollouts go to the learner
 class ActingPolicy:
     """The copy of the agent the envs act with, on the learner's device, given new parameters after every update
@@ -304,13 +313,13 @@ class ActingPolicy:
 
     @torch.no_grad()
     def act(self, obs, first, core_state):
-        """obs [n, *obs_shape], first [n] -> action [n], logits [n, A], the next core_state, the policy version."""
+        """obs [n, *obs_shape], first [n] -> action [n], the RECORDED_OUTPUTS {name: [n, ...]}, the next core_state,
+        the policy version."""
         with self.lock:
             output = self.agent(obs[None], first[None], core_state)
             version = self.version
-        logits = output["logits"][0]
-        action = torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(-1)
-        return action, logits, output["core_state"], version
+        action = torch.multinomial(torch.softmax(output["logits"][0], dim=-1), 1).squeeze(-1)
+        return action, {key: output[key][0] for key in RECORDED_OUTPUTS}, output["core_state"], version
 
     @torch.no_grad()
     def update(self, agent, version):
@@ -339,7 +348,7 @@ def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device,
         index, first_t = torch.from_numpy(env_ids).to(device), torch.from_numpy(first).to(device)
         # The state fed to the core on obs: reset where obs starts an episode.
         state = tuple(s[index] * ~first_t.unsqueeze(-1) for s in core_state)
-        action, logits, next_state, version = policy.act(torch.from_numpy(obs).to(device), first_t, state)
+        action, recorded, next_state, version = policy.act(torch.from_numpy(obs).to(device), first_t, state)
         for s, next_s in zip(core_state, next_state):
             s[index] = next_s
         action = action.cpu().numpy()
@@ -347,9 +356,9 @@ def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device,
         if state:
             start["core_state"] = torch.stack(state, dim=1).cpu().numpy()  # [n, 2, hidden]
         # reward: received on arriving at obs, unclipped; terminated / truncated: obs is a final obs (the env resets
-        # on its next step, ignoring that action); logits: the behavior policy on obs.
-        logits = logits.cpu().numpy()
-        step = dict(obs=obs, reward=reward, terminated=terminated, truncated=truncated, action=action, logits=logits)
+        # on its next step, ignoring that action); the recorded outputs (logits, ...): the behavior policy's on obs.
+        step = dict(obs=obs, reward=reward, terminated=terminated, truncated=truncated, action=action)
+        step.update({key: value.cpu().numpy() for key, value in recorded.items()})
         rollouts += assembler.add(env_ids, step, start)
         envs.send(action, env_ids)
         put_start = time.time()
@@ -849,6 +858,32 @@ def check_args(args):
     for name, path in (("resume", args.resume), ("eval_checkpoint", args.eval_checkpoint)):
         if path is not None and not os.path.isfile(path) and os.environ.get("RANK", "0") == "0":
             sys.exit(f"error: --{name.replace('_', '-')} {path}: no such file")
+    check_batch_reads()
+
+
+def check_batch_reads(functions=None):
+    """Exits with a one-line error, before anything starts, if the learner's code (compute_loss, learn, unroll) reads a
+    key of the batch, as batch["name"], that the acting side does not record: the env's fields, the action, the
+    policy version, the core state and RECORDED_OUTPUTS. Keys the code adds to a batch itself count as recorded."""
+    recorded = {"obs", "reward", "terminated", "truncated", "action", "policy_version", "core_state", *RECORDED_OUTPUTS}
+    for function in functions or (compute_loss, learn, unroll):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        for node in ast.walk(tree):  # keys added: {**batch, "name": ...} and batch["name"] = ...
+            if isinstance(node, ast.Dict) and any(isinstance(key, ast.Constant) for key in node.keys):
+                recorded |= {key.value for key in node.keys if isinstance(key, ast.Constant)}
+        for node in ast.walk(tree):
+            reads = (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "batch"
+                and isinstance(node.slice, ast.Constant)
+                and isinstance(node.ctx, ast.Load)
+            )
+            if reads and node.slice.value not in recorded:
+                sys.exit(
+                    f"error: {function.__name__} reads batch[{node.slice.value!r}], which the actors do not record: add "
+                    f"{node.slice.value!r} to RECORDED_OUTPUTS if it is an output of Agent.forward"
+                )
 
 
 # The flags that change how a run is run, watched or stored, not what it learns; every other flag is a learning flag,

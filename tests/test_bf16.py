@@ -72,7 +72,8 @@ def test_poly_acting_copy_is_bf16_and_agrees():
     batch = breakout_batch(reference, T=1, B=16)
     obs, first = batch["obs"][0], torch.zeros(16, dtype=torch.bool)
     acting_dtypes, reference_dtypes = computed_in(policy.agent), computed_in(reference)
-    _, logits, _, _ = policy.act(obs, first, ())
+    _, recorded, _, _ = policy.act(obs, first, ())
+    logits = recorded["logits"]
     with torch.no_grad():
         expected = reference(obs[None], first[None], ())["logits"]
     assert (acting_dtypes, reference_dtypes) == ({torch.bfloat16}, {torch.float32})

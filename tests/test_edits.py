@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import CARTPOLE_FLAGS as FLAGS
-from helpers import edited_copy, error_line, run, train
+from helpers import edited_copy, error_line, run, scalars, train
 
 pytestmark = pytest.mark.slow  # each edit is tried in a real run
 
@@ -84,3 +84,37 @@ def test_a_new_agent_argument_is_one_edit_in_make_agent(tmp_path, script):
     assert (
         error_line(result) == f"error: checkpoint {checkpoint} was trained with --mlp-width 32: pass the same to evaluate it"
     )
+
+
+# A stat that reads the acting policy's values from the batch, in compute_loss (say, for a value clip).
+READS_VALUES = (
+    '        "stats/value": values[:-1].mean(),\n',
+    '        "stats/value": values[:-1].mean(),\n        "stats/acting_value": batch["values"][:-1].mean(),\n',
+)
+
+
+@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
+def test_a_new_recorded_quantity_is_one_edit(tmp_path, script):
+    """The acting policy's values recorded for the learner: one more name in RECORDED_OUTPUTS, and compute_loss reads
+    them as batch["values"]: what the actors computed, not zeros (a fresh value head's outputs are not 0)."""
+    old = [READS_VALUES[0], 'RECORDED_OUTPUTS = ("logits",)\n']
+    new = [READS_VALUES[1], 'RECORDED_OUTPUTS = ("logits", "values")\n']
+    path = edited_copy(tmp_path, script, old, new)
+    run_dir = train(path, "CartPole-v1", 80, FLAGS[script], tmp_path)
+    acting = [value for _, value in scalars(run_dir, "stats/acting_value")]
+    learning = [value for _, value in scalars(run_dir, "stats/value")]
+    assert len(acting) == 2 and all(value != 0.0 for value in acting), acting
+    assert acting[0] == pytest.approx(learning[0], abs=1e-5)  # the first batch: acted on with the learner's parameters
+
+
+@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
+def test_a_key_the_actors_do_not_record_is_one_error_before_anything_starts(tmp_path, script):
+    """compute_loss reads batch["values"], but RECORDED_OUTPUTS was not edited: one error line, before any run starts
+    (no buffer of zeros to learn from)."""
+    path = edited_copy(tmp_path, script, *READS_VALUES)
+    result = run(path, "--env-id", "CartPole-v1", "--total-timesteps", 80, *FLAGS[script], cwd=tmp_path)
+    assert error_line(result) == (
+        "error: compute_loss reads batch['values'], which the actors do not record: add 'values' to RECORDED_OUTPUTS if "
+        "it is an output of Agent.forward"
+    )
+    assert not os.path.exists(tmp_path / "runs")

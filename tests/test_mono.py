@@ -195,7 +195,8 @@ def test_too_little_shared_memory_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setattr(impala_mono.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(64 * 2**20, 0, 10 * 2**20))
     env = impala_mono.make_env(args)
     with pytest.raises(SystemExit) as exit_info:
-        impala_mono.create_buffers(args, env.observation_space, env.action_space.n, ())
+        agent = impala_mono.make_agent(args, env.observation_space, env.action_space)
+        impala_mono.create_buffers(args, env.observation_space, agent)
     # 100 slots x 21 steps x 4 x 84 x 84 bytes of frames alone: 57 MiB.
     assert str(exit_info.value).startswith(
         "error: the rollout buffers need 57 MiB of shared memory but /dev/shm has 10 MiB free"

@@ -148,7 +148,7 @@ def test_torchrun_group_signalled(tmp_path):
 def test_a_signal_stops_an_evaluation_after_the_games_played(tmp_path, script):
     run_dir = train(script, "CartPole-v1", 80, CARTPOLE_FLAGS[script], tmp_path)
     flags = ["--env-id", "CartPole-v1", "--eval-checkpoint", os.path.join(run_dir, "checkpoint.pt"), "--eval-episodes", 10**6]
-    plan = [(lambda pid, stdout: handles_sigterm(pid) and time.sleep(1.0) is None, [signal.SIGINT] * 3, True)]  # 1 s of games
+    plan = [(lambda pid, stdout: handles_sigterm(pid) and time.sleep(4.0) is None, [signal.SIGINT] * 3, True)]  # 4 s: games
     result = run_with_signals(script, *flags, *CARTPOLE_FLAGS[script], cwd=tmp_path, bursts=plan)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     (played,) = re.findall(r"^interrupted after (\d+) of 1000000 games$", result.stdout, re.M)
