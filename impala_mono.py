@@ -295,73 +295,20 @@ def make_agent(args, observation_space, action_space):
     return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16, obs_scale)
 
 
-# What the acting side records for the learner at each step, besides the env's fields (obs, reward, terminated,
-# truncated) and the action taken: these outputs of the agent's forward on the obs, by name. compute_loss reads each as
-# batch[name], [T + 1, B, ...]; a new recorded quantity (the acting policy's values, for a value clip) is one more name.
+# ALGO LOGIC: acting. Actor processes (`actor`, below the fence) step their envs with `act` on the shared CPU agent and
+# record, at each step, the env's fields (obs, reward, terminated, truncated), the action and these outputs of the
+# agent's forward on the obs, by name: compute_loss reads each as batch[name], [T + 1, B, ...]. A new recorded quantity
+# (the acting policy's values, for a value clip) is one more name.
 RECORDED_OUTPUTS = ("logits",)
 
 
-# ALGO LOGIC: acting. Each actor process steps its envs with the shared CPU agent into shared-memory rollout slots
-# (create_buffers, below the fence: [num_buffers, T + 1, ...] per key)
-def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop):
-    """Steps `num_envs_per_actor` envs with the shared CPU `agent`, filling one buffer slot per env per rollout."""
-    try:
-        torch.set_num_threads(1)
-        parent = os.getppid()
-        K, T = args.num_envs_per_actor, args.unroll_length
-        seed = args.seed + actor_index * K
-        torch.manual_seed(seed)
-        envs = [make_env(args) for _ in range(K)]
-        obs = np.stack([env.reset(seed=seed + k)[0] for k, env in enumerate(envs)])
-        # The current step of each env; the last step of one rollout is the first of the next.
-        step = dict(
-            obs=torch.from_numpy(obs),
-            reward=torch.zeros(K),
-            terminated=torch.zeros(K, dtype=torch.bool),
-            truncated=torch.zeros(K, dtype=torch.bool),
-            action=torch.zeros(K, dtype=torch.int64),
-        )
-        first = torch.ones(K, dtype=torch.bool)  # step["obs"] starts an episode
-        core_state = agent.initial_state(K)  # before the current step
-        games = GameTracker(args, actor_index, envs, episode_queue, policy_version)
-
-        def act(core_state):
-            with torch.no_grad():
-                output = agent(step["obs"][None], first[None], core_state)
-            for key in RECORDED_OUTPUTS:
-                step[key] = output[key][0]
-            step["action"] = torch.multinomial(torch.softmax(output["logits"][0], dim=-1), 1).squeeze(-1)
-            return output["core_state"]
-
-        next_core_state = act(core_state)
-        while True:
-            indices = [free_slot(free_queue, stop, parent) for _ in range(K)]
-            if None in indices:
-                break
-            for k, index in enumerate(indices):
-                buffers["policy_version"][index] = policy_version.value
-                if core_state:  # the state the core starts obs[0] from, already reset if obs[0] starts an episode
-                    buffers["core_state"][index] = torch.stack([s[k] for s in core_state]) * ~first[k]
-            for t in range(T + 1):
-                if t > 0:
-                    # EnvPool-style auto-reset: an env whose last step ended its episode returns the reset obs now.
-                    first = step["terminated"] | step["truncated"]
-                    for k, env in enumerate(envs):
-                        obs, reward, terminated, truncated, info = env.step(step["action"][k].item())
-                        step["obs"][k] = torch.from_numpy(obs)
-                        step["reward"][k], step["terminated"][k], step["truncated"][k] = reward, terminated, truncated
-                        games.step(k, first[k], reward, truncated or info.get("terminated", terminated))  # not just a life
-                    core_state, next_core_state = next_core_state, act(next_core_state)
-                for k, index in enumerate(indices):
-                    for key, value in step.items():
-                        buffers[key][index, t] = value[k]
-            for index in indices:
-                full_queue.put(index)
-        games.close()
-    except Exception:
-        traceback.print_exc()
-        sys.stderr.write(f"actor {actor_index} failed\n")
-        sys.exit(1)
+@torch.no_grad()
+def act(agent, obs, first, core_state):
+    """The policy's step: obs [n, *obs_shape], first [n] (True where obs starts an episode) -> the action [n] sampled from
+    the policy, the RECORDED_OUTPUTS {name: [n, ...]}, the core state after obs."""
+    output = agent(obs[None], first[None], core_state)
+    action = torch.multinomial(torch.softmax(output["logits"][0], dim=-1), 1).squeeze(-1)
+    return action, {key: output[key][0] for key in RECORDED_OUTPUTS}, output["core_state"]
 
 
 # ALGO LOGIC: learning
@@ -478,9 +425,9 @@ def learn(agent, optimizer, batch, args, global_step):
 
 # ======================================================================================================================
 # MACHINERY: what a researcher does not need to touch. The batch helpers (the forward over rollouts, minibatches, the
-# replay buffer the learner thread mixes in), precision detection, EnvPool's Atari preprocessing on ale-py, video,
-# evaluation, argument checks, checkpoint I/O and the learner's counters, then the main program: actor processes,
-# learner threads, supervision, logging and shutdown.
+# replay buffer the learner thread mixes in), precision detection, EnvPool's Atari preprocessing on ale-py, the actor
+# processes and their shared-memory buffers, video, evaluation, argument checks, checkpoint I/O, signals and the
+# learner's counters, then the main program: actor processes, learner threads, supervision, logging and shutdown.
 # ======================================================================================================================
 
 
@@ -725,6 +672,64 @@ class GameRecorder:
         if self.writer is not None:
             self.writer.close()
             os.remove(self.path)
+
+
+def actor(actor_index, args, agent, buffers, free_queue, full_queue, episode_queue, policy_version, stop):
+    """Steps `num_envs_per_actor` envs with the shared CPU `agent`, filling one buffer slot per env per rollout."""
+    try:
+        torch.set_num_threads(1)
+        parent = os.getppid()
+        K, T = args.num_envs_per_actor, args.unroll_length
+        seed = args.seed + actor_index * K
+        torch.manual_seed(seed)
+        envs = [make_env(args) for _ in range(K)]
+        obs = np.stack([env.reset(seed=seed + k)[0] for k, env in enumerate(envs)])
+        # The current step of each env; the last step of one rollout is the first of the next.
+        step = dict(
+            obs=torch.from_numpy(obs),
+            reward=torch.zeros(K),
+            terminated=torch.zeros(K, dtype=torch.bool),
+            truncated=torch.zeros(K, dtype=torch.bool),
+            action=torch.zeros(K, dtype=torch.int64),
+        )
+        first = torch.ones(K, dtype=torch.bool)  # step["obs"] starts an episode
+        core_state = agent.initial_state(K)  # before the current step
+        games = GameTracker(args, actor_index, envs, episode_queue, policy_version)
+
+        def policy_step(core_state):  # the action and the recorded outputs on the current step, into `step`
+            action, recorded, next_state = act(agent, step["obs"], first, core_state)
+            step.update(recorded, action=action)
+            return next_state
+
+        next_core_state = policy_step(core_state)
+        while True:
+            indices = [free_slot(free_queue, stop, parent) for _ in range(K)]
+            if None in indices:
+                break
+            for k, index in enumerate(indices):
+                buffers["policy_version"][index] = policy_version.value
+                if core_state:  # the state the core starts obs[0] from, already reset if obs[0] starts an episode
+                    buffers["core_state"][index] = torch.stack([s[k] for s in core_state]) * ~first[k]
+            for t in range(T + 1):
+                if t > 0:
+                    # EnvPool-style auto-reset: an env whose last step ended its episode returns the reset obs now.
+                    first = step["terminated"] | step["truncated"]
+                    for k, env in enumerate(envs):
+                        obs, reward, terminated, truncated, info = env.step(step["action"][k].item())
+                        step["obs"][k] = torch.from_numpy(obs)
+                        step["reward"][k], step["terminated"][k], step["truncated"][k] = reward, terminated, truncated
+                        games.step(k, first[k], reward, truncated or info.get("terminated", terminated))  # not just a life
+                    core_state, next_core_state = next_core_state, policy_step(next_core_state)
+                for k, index in enumerate(indices):
+                    for key, value in step.items():
+                        buffers[key][index, t] = value[k]
+            for index in indices:
+                full_queue.put(index)
+        games.close()
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.write(f"actor {actor_index} failed\n")
+        sys.exit(1)
 
 
 def create_buffers(args, obs_space, agent):

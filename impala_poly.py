@@ -297,13 +297,22 @@ def make_agent(args, observation_space, action_space):
     return Agent(observation_space.shape, action_space.n, args.network, args.use_lstm, args.bf16, obs_scale)
 
 
-# What the acting side records for the learner at each step, besides the env's fields (obs, reward, terminated,
-# truncated) and the action taken: these outputs of the agent's forward on the obs, by name. compute_loss reads each as
-# batch[name], [T + 1, B, ...]; a new recorded quantity (the acting policy's values, for a value clip) is one more name.
+# ALGO LOGIC: acting. The env pool's loop (`actor_loop`, below the fence) steps the envs with `act` on the acting copy of
+# the agent and records, at each step, the env's fields (obs, reward, terminated, truncated), the action and these
+# outputs of the agent's forward on the obs, by name: compute_loss reads each as batch[name], [T + 1, B, ...]. A new
+# recorded quantity (the acting policy's values, for a value clip) is one more name.
 RECORDED_OUTPUTS = ("logits",)
 
 
-# ALGO LOGIC: acting. The envs' async batches go through one batched inference; finished rollouts go to the learner
+@torch.no_grad()
+def act(agent, obs, first, core_state):
+    """The policy's step: obs [n, *obs_shape], first [n] (True where obs starts an episode) -> the action [n] sampled from
+    the policy, the RECORDED_OUTPUTS {name: [n, ...]}, the core state after obs."""
+    output = agent(obs[None], first[None], core_state)
+    action = torch.multinomial(torch.softmax(output["logits"][0], dim=-1), 1).squeeze(-1)
+    return action, {key: output[key][0] for key in RECORDED_OUTPUTS}, output["core_state"]
+
+
 class ActingPolicy:
     """The copy of the agent the envs act with, on the learner's device, given new parameters after every update
     under a lock (no half-copied read). With bf16 it holds bf16 parameters, which autocast would cast anew per batch."""
@@ -311,15 +320,10 @@ class ActingPolicy:
     def __init__(self, agent, version=0):
         self.agent, self.version, self.lock = copy.deepcopy(agent).to(agent.dtype), version, threading.Lock()
 
-    @torch.no_grad()
     def act(self, obs, first, core_state):
-        """obs [n, *obs_shape], first [n] -> action [n], the RECORDED_OUTPUTS {name: [n, ...]}, the next core_state,
-        the policy version."""
+        """`act` with these parameters (no update halfway through), and their version."""
         with self.lock:
-            output = self.agent(obs[None], first[None], core_state)
-            version = self.version
-        action = torch.multinomial(torch.softmax(output["logits"][0], dim=-1), 1).squeeze(-1)
-        return action, {key: output[key][0] for key in RECORDED_OUTPUTS}, output["core_state"], version
+            return *act(self.agent, obs, first, core_state), self.version
 
     @torch.no_grad()
     def update(self, agent, version):
@@ -327,47 +331,6 @@ class ActingPolicy:
             for acting, learning in zip(self.agent.state_dict().values(), agent.state_dict().values()):
                 acting.copy_(learning)
             self.version = version
-
-
-def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device, recorder=None):
-    """recv -> act -> send on the pool until `stop`; every `batch_size` finished rollouts go to the learner as a batch."""
-    assembler, games = RolloutAssembler(args.num_envs, args.unroll_length), GameTracker(args.num_envs)
-    core_state = tuple(s.to(device) for s in policy.agent.initial_state(args.num_envs))  # each env's state before its next obs
-    rollouts = []
-    envs.async_reset()
-    while not stop.is_set():
-        recv_start = time.time()
-        obs, reward, terminated, truncated, info = envs.recv()
-        env_ids = info["env_id"]
-        act_start = time.time()
-        first, ended = games.update(env_ids, reward, terminated, truncated, info)
-        episodes.extend(ended)
-        if recorder is not None and 0 in env_ids:
-            ended_0 = [game[1:] for game in ended if game[0] == 0]
-            recorder.step(first[env_ids == 0][0] and games.lengths[0] == 0, ended_0, policy.version)
-        index, first_t = torch.from_numpy(env_ids).to(device), torch.from_numpy(first).to(device)
-        # The state fed to the core on obs: reset where obs starts an episode.
-        state = tuple(s[index] * ~first_t.unsqueeze(-1) for s in core_state)
-        action, recorded, next_state, version = policy.act(torch.from_numpy(obs).to(device), first_t, state)
-        for s, next_s in zip(core_state, next_state):
-            s[index] = next_s
-        action = action.cpu().numpy()
-        start = dict(policy_version=np.full(len(env_ids), version))
-        if state:
-            start["core_state"] = torch.stack(state, dim=1).cpu().numpy()  # [n, 2, hidden]
-        # reward: received on arriving at obs, unclipped; terminated / truncated: obs is a final obs (the env resets
-        # on its next step, ignoring that action); the recorded outputs (logits, ...): the behavior policy's on obs.
-        step = dict(obs=obs, reward=reward, terminated=terminated, truncated=truncated, action=action)
-        step.update({key: value.cpu().numpy() for key, value in recorded.items()})
-        rollouts += assembler.add(env_ids, step, start)
-        envs.send(action, env_ids)
-        put_start = time.time()
-        rollouts = send_batches(rollouts, args, batch_queue, stop, device)
-        timings["recv"] += act_start - recv_start
-        timings["act"] += put_start - act_start
-        timings["queue"] += time.time() - put_start
-    if recorder is not None:
-        recorder.close()
 
 
 # ALGO LOGIC: learning
@@ -488,9 +451,9 @@ def learn(agent, optimizer, batch, args, global_step, world_size=1):
 
 # ======================================================================================================================
 # MACHINERY: what a researcher does not need to touch. The batch helpers (the forward over rollouts, minibatches, the
-# replay buffer the learner thread mixes in), precision detection, video, evaluation, argument checks, checkpoint I/O,
-# the learner's counters and the ranks' stop agreement, then the main program: threads, supervision, logging, restarts
-# and shutdown.
+# replay buffer the learner thread mixes in), precision detection, video, evaluation, the env pool's loop and its
+# rollout assembly, argument checks, checkpoint I/O, signals, the learner's counters and the ranks' stop agreement, then
+# the main program: threads, supervision, logging, restarts and shutdown.
 # ======================================================================================================================
 
 
@@ -661,6 +624,47 @@ def evaluate(args, policy, device, signals):
         action, _, core_state, _ = policy.act(torch.from_numpy(obs).to(device), torch.from_numpy(first).to(device), core_state)
         envs.send(action.cpu().numpy(), info["env_id"])
     return np.array(returns[: args.eval_episodes])
+
+
+def actor_loop(args, envs, policy, batch_queue, episodes, timings, stop, device, recorder=None):
+    """recv -> act -> send on the pool until `stop`; every `batch_size` finished rollouts go to the learner as a batch."""
+    assembler, games = RolloutAssembler(args.num_envs, args.unroll_length), GameTracker(args.num_envs)
+    core_state = tuple(s.to(device) for s in policy.agent.initial_state(args.num_envs))  # each env's state before its next obs
+    rollouts = []
+    envs.async_reset()
+    while not stop.is_set():
+        recv_start = time.time()
+        obs, reward, terminated, truncated, info = envs.recv()
+        env_ids = info["env_id"]
+        act_start = time.time()
+        first, ended = games.update(env_ids, reward, terminated, truncated, info)
+        episodes.extend(ended)
+        if recorder is not None and 0 in env_ids:
+            ended_0 = [game[1:] for game in ended if game[0] == 0]
+            recorder.step(first[env_ids == 0][0] and games.lengths[0] == 0, ended_0, policy.version)
+        index, first_t = torch.from_numpy(env_ids).to(device), torch.from_numpy(first).to(device)
+        # The state fed to the core on obs: reset where obs starts an episode.
+        state = tuple(s[index] * ~first_t.unsqueeze(-1) for s in core_state)
+        action, recorded, next_state, version = policy.act(torch.from_numpy(obs).to(device), first_t, state)
+        for s, next_s in zip(core_state, next_state):
+            s[index] = next_s
+        action = action.cpu().numpy()
+        start = dict(policy_version=np.full(len(env_ids), version))
+        if state:
+            start["core_state"] = torch.stack(state, dim=1).cpu().numpy()  # [n, 2, hidden]
+        # reward: received on arriving at obs, unclipped; terminated / truncated: obs is a final obs (the env resets
+        # on its next step, ignoring that action); the recorded outputs (logits, ...): the behavior policy's on obs.
+        step = dict(obs=obs, reward=reward, terminated=terminated, truncated=truncated, action=action)
+        step.update({key: value.cpu().numpy() for key, value in recorded.items()})
+        rollouts += assembler.add(env_ids, step, start)
+        envs.send(action, env_ids)
+        put_start = time.time()
+        rollouts = send_batches(rollouts, args, batch_queue, stop, device)
+        timings["recv"] += act_start - recv_start
+        timings["act"] += put_start - act_start
+        timings["queue"] += time.time() - put_start
+    if recorder is not None:
+        recorder.close()
 
 
 class GameTracker:

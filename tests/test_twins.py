@@ -13,7 +13,7 @@ from helpers import ROOT
 TWINS = ["layer_init", "ResidualBlock", "ConvSequence", "mlp", "Agent", "make_agent", "compute_loss", "make_optimizer",
          "Replay", "unroll", "split_batch", "StatError", "scalar_stats", "mean_stats", "outputs_finite", "all_or_nothing",
          "GameRecorder", "load_checkpoint", "check_resumable", "RUN_ONLY_FLAGS", "StopSignals", "Progress",
-         "save_checkpoint", "RECORDED_OUTPUTS", "check_batch_reads"]  # fmt: skip
+         "save_checkpoint", "RECORDED_OUTPUTS", "act", "check_batch_reads"]  # fmt: skip
 # Defined in both scripts but different, each for its own reasons (mono's ale-py envs and actor processes, poly's EnvPool
 # and torch.distributed). `learn` is checked apart: poly's is mono's plus the ranks' collectives.
 DIFFERENT = ["Args", "is_atari", "make_env", "learn", "bf16_native", "evaluate", "check_args", "GameTracker", "train"]
