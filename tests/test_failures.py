@@ -124,18 +124,20 @@ def test_resume_refuses_another_optimizer_or_network(tmp_path, script, edit, mes
     """A checkpoint written by other code (another optimizer, an edited network) is refused before anything starts:
     one error line, exit 1, the file left byte for byte as it was and nothing logged."""
     agent = script.Agent((4,), 2)
-    optimizer = script.make_optimizer(script.Args(env_id="CartPole-v1"), agent)
+    trained = script.Args(env_id="CartPole-v1", optimizer="rmsprop")
+    optimizer = script.make_optimizer(trained, agent)
     for p in agent.parameters():
         p.grad = torch.ones_like(p)
     optimizer.step()  # an RMSprop state to replace
     path = str(tmp_path / "runs" / "run" / "checkpoint.pt")
     os.makedirs(os.path.dirname(path))
-    assert script.save_checkpoint(path, agent, optimizer, 40, 1, script.Args(env_id="CartPole-v1"))
+    assert script.save_checkpoint(path, agent, optimizer, 40, 1, trained)
     torch.save(edit(path), path)
     with open(path, "rb") as f:
         before = f.read()
     name = f"{script.__name__}.py"
-    result = run(name, "--env-id", "CartPole-v1", "--total-timesteps", 80, *FLAGS[name], "--resume", path, cwd=tmp_path)
+    flags = [*FLAGS[name], "--optimizer", "rmsprop", "--resume", path]
+    result = run(name, "--env-id", "CartPole-v1", "--total-timesteps", 80, *flags, cwd=tmp_path)
     assert result.returncode == 1
     assert error_line(result) == f"error: checkpoint {path} {message}"
     with open(path, "rb") as f:
