@@ -55,12 +55,18 @@ def run(script, *args, cwd, timeout=600, env=None, stop=None):
                     stopped = stop(f_out.read())
                 if stopped:
                     os.kill(process.pid, signal.SIGTERM)
-        timed_out = process.is_alive()
-        if timed_out:
-            process.kill()
-            process.join()
-        with open(out) as f_out, open(err) as f_err:
-            stdout, stderr = f_out.read(), f_err.read()
+        return collect(process, command, timeout, out, err, kill=process.kill)
+
+
+def collect(process, command, timeout, out, err, kill):
+    """A run's CompletedProcess, from its output files `out` and `err`; if it is still running (past `timeout`), it is
+    ended with `kill()` first and TimeoutExpired is raised, with its output."""
+    timed_out = process.is_alive()
+    if timed_out:
+        kill()
+        process.join()
+    with open(out) as f_out, open(err) as f_err:
+        stdout, stderr = f_out.read(), f_err.read()
     if timed_out:
         raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
     return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
@@ -198,15 +204,7 @@ def run_with_signals(script, *args, cwd, bursts, timeout=60):
                             (os.killpg if to_group else os.kill)(process.pid, signum)
                         pending.pop(0)
             process.join(0.005)
-        timed_out = process.is_alive()
-        if timed_out:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.join()
-        with open(out) as f_out, open(err) as f_err:
-            stdout, stderr = f_out.read(), f_err.read()
-    if timed_out:
-        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
-    return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
+        return collect(process, command, timeout, out, err, kill=lambda: os.killpg(process.pid, signal.SIGKILL))
 
 
 def run_dirs(cwd):
