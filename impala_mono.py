@@ -920,6 +920,11 @@ def check_args(args):
             f"error: --num-minibatches {args.num_minibatches} does not divide --batch-size {args.batch_size}: each "
             "minibatch is an equal share of the batch's rollouts"
         )
+    if args.norm_adv and args.unroll_length * args.batch_size < 2 * args.num_minibatches:
+        sys.exit(
+            "error: --norm-adv needs at least 2 steps per minibatch to take their standard deviation: raise "
+            "--unroll-length or --batch-size"
+        )
     if args.replay_proportion < 0:
         sys.exit(f"error: --replay-proportion must be 0 (no replay) or more, got {args.replay_proportion}")
     if args.replay_buffer < args.replay_proportion:

@@ -196,6 +196,11 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
             "error: --clip-pg-rho-threshold 2.0 clips IMPALA's policy gradient, which --clip-coef 0.2 replaces with "
             "the clipped surrogate: pass one of the two",
         ),
+        (
+            dict(norm_adv=True, unroll_length=1, batch_size=2, num_minibatches=2),
+            "error: --norm-adv needs at least 2 steps per minibatch to take their standard deviation: raise "
+            "--unroll-length or --batch-size",
+        ),
         (dict(replay_proportion=-1), "error: --replay-proportion must be 0 (no replay) or more, got -1"),
         (dict(replay_buffer=0), "error: --replay-buffer must be positive, got 0"),
         (
@@ -216,6 +221,7 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         "clip-coef",
         "clip-coef-1",
         "two-policy-clips",
+        "norm-adv-one-step",
         "replay-proportion",
         "replay-buffer",
         "replay-buffer-small",
