@@ -150,18 +150,22 @@ def test_resume_under_other_flags_warns(tmp_path, script, capsys):
     """A resumed run goes on under the flags given: one warning line names each learning flag that differs from the
     checkpoint's (here the learning rate's horizon and the entropy cost); the same flags, a longer budget (which changes
     nothing the run learns) or an evaluation print nothing."""
+
+    def args(**flags):  # the flags the checkpoint was trained with, and `flags`
+        return script.Args(**{"env_id": "CartPole-v1", "ent_coef": 0.01, "anneal_lr_timesteps": 50_000_000, **flags})
+
     agent = script.Agent((4,), 2)
-    trained = script.Args(env_id="CartPole-v1", total_timesteps=1000)
+    trained = args(total_timesteps=1000)
     path = str(tmp_path / "checkpoint.pt")
     assert script.save_checkpoint(path, agent, script.make_optimizer(trained, agent), 400, 10, trained)
     capsys.readouterr()
 
-    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", total_timesteps=1000, resume=path))
-    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", total_timesteps=2000, resume=path))
-    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", ent_coef=0.5, eval_checkpoint=path))
+    script.load_checkpoint(path, args(total_timesteps=1000, resume=path))
+    script.load_checkpoint(path, args(total_timesteps=2000, resume=path))
+    script.load_checkpoint(path, args(ent_coef=0.5, eval_checkpoint=path))
     assert capsys.readouterr().err == ""
 
-    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", anneal_lr_timesteps=4000, ent_coef=0.02, resume=path))
+    script.load_checkpoint(path, args(anneal_lr_timesteps=4000, ent_coef=0.02, resume=path))
     assert capsys.readouterr().err == (
         f"warning: resuming {path} under other flags than it was trained with: --anneal-lr-timesteps 4000 (trained with "
         "50000000), --ent-coef 0.02 (trained with 0.01); pass the training values to continue the same run\n"
@@ -176,14 +180,16 @@ def test_resume_under_other_flags_warns(tmp_path, script, capsys):
         f"warning: --clip-coef, --ent-coef: not in the checkpoint {path} (written before the flag existed), taken as its "
         "default\n"
     )
-    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", total_timesteps=1000, resume=path))
+    default = script.Args().ent_coef
+    script.load_checkpoint(path, args(ent_coef=default, total_timesteps=1000, resume=path))
     assert capsys.readouterr().err == newer
-    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", eval_checkpoint=path))
+    script.load_checkpoint(path, args(eval_checkpoint=path))
     assert capsys.readouterr().err == newer
-    script.load_checkpoint(path, script.Args(env_id="CartPole-v1", clip_coef=0.2, ent_coef=0.02, resume=path))
+    script.load_checkpoint(path, args(clip_coef=0.2, ent_coef=0.5, resume=path))
     assert capsys.readouterr().err == newer + (
-        f"warning: resuming {path} under other flags than it was trained with: --clip-coef 0.2 (trained with None), "
-        "--ent-coef 0.02 (trained with 0.01); pass the training values to continue the same run\n"
+        f"warning: resuming {path} under other flags than it was trained with: --clip-coef 0.2 (trained with "
+        f"{script.Args().clip_coef}), --ent-coef 0.5 (trained with {default}); pass the training values to continue the "
+        "same run\n"
     )
 
 
