@@ -191,7 +191,7 @@ def test_too_little_shared_memory_is_a_clear_error(monkeypatch, capsys):
 
     import impala_mono
 
-    args = impala_mono.Args(env_id="Pong-v5", num_buffers=100)
+    args = impala_mono.Args(env_id="Pong-v5", num_buffers=100, unroll_length=20)
     monkeypatch.setattr(impala_mono.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(64 * 2**20, 0, 10 * 2**20))
     env = impala_mono.make_env(args)
     with pytest.raises(SystemExit) as exit_info:

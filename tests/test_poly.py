@@ -461,7 +461,7 @@ def test_torchrun_restarts_refused_where_they_could_not_work(tmp_path, store, ru
         (["--env-id", "CartPole-v1", "--resume", "nowhere.pt"], "error: --resume nowhere.pt: no such file"),
         # (1e8 envs + 5e7 rollouts one recv() finished + 4 x 8 batched rollouts) x 21 steps x 4 x 84 x 84 bytes
         (
-            ["--env-id", "Pong-v5", "--num-envs", 10**8],
+            ["--env-id", "Pong-v5", "--num-envs", 10**8, "--unroll-length", 20, "--batch-size", 8, "--queue-size", 2],
             "error: --num-envs 100000000 needs 82799.8 GiB of rollout buffers, but",
         ),
         (["--env-id", "CartPole-v1", "--stall-timeout", 0], "error: --stall-timeout must be positive, got 0.0"),
