@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One pass over what poly does on a GPU box, in under 10 minutes: versions, the throughput table (raw EnvPool, the
-# acting loop with a free policy, the learner alone, poly itself), a few minutes of training, and a 2-rank torchrun on
-# the one GPU (ranks that share a GPU all-reduce with gloo). Figures go to stdout; runs/ lands in a temporary folder.
+# acting loop with a free policy, the learner alone, poly itself), a few minutes of training with the defaults and with
+# the APPO configuration under study (APPO_FLAGS, docs/experiments.md), and a 2-rank torchrun on the one GPU (ranks that
+# share a GPU all-reduce with gloo). Figures go to stdout; runs/ lands in a temporary folder.
 #
 #     bash benchmarks/gpu_check.sh                       # Breakout-v5, 256 envs, as on the device
 #     ENV_ID=CartPole-v1 NUM_ENVS=16 ENTRY_SECONDS=4 TRAIN_SECONDS=30 RANK_STEPS=20000 bash benchmarks/gpu_check.sh  # CPU try-out
@@ -10,8 +11,11 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ENV_ID=${ENV_ID:-Breakout-v5}
 NUM_ENVS=${NUM_ENVS:-256}
 ENTRY_SECONDS=${ENTRY_SECONDS:-20}  # each throughput entry (not SECONDS: bash's own clock, 0 at start)
-TRAIN_SECONDS=${TRAIN_SECONDS:-180}
+TRAIN_SECONDS=${TRAIN_SECONDS:-150}
 RANK_STEPS=${RANK_STEPS:-400000}   # the torchrun leg: total steps over both ranks
+APPO_FLAGS=${APPO_FLAGS:-"--unroll-length 32 --batch-size 32 --update-epochs 4 --num-minibatches 4 --clip-coef 0.1 \
+--optimizer adam --learning-rate 2.5e-4 --anneal-lr-timesteps 10000000 --norm-adv --loss-reduction mean \
+--vtrace-lambda 0.95 --max-grad-norm 0.5"}
 PYTHON=${PYTHON:-$(command -v python || command -v python3)}  # many GPU images have python3 alone
 WORK=$(mktemp -d)
 cd "$WORK"
@@ -28,6 +32,12 @@ echo "== throughput: $ENV_ID, $NUM_ENVS envs"
 echo "== training: impala_poly.py --env-id $ENV_ID --num-envs $NUM_ENVS for $TRAIN_SECONDS s"
 timeout -s TERM "$TRAIN_SECONDS" "$PYTHON" "$ROOT/impala_poly.py" --env-id "$ENV_ID" --num-envs "$NUM_ENVS" \
     --total-timesteps 50000000 --run-name single 2>&1 | grep -v -i warn
+echo "exit code ${PIPESTATUS[0]} (124: stopped by the time limit, as planned)"
+
+echo "== training, APPO: impala_poly.py --env-id $ENV_ID --num-envs $NUM_ENVS $APPO_FLAGS for $TRAIN_SECONDS s"
+# shellcheck disable=SC2086  # APPO_FLAGS is a list of flags
+timeout -s TERM "$TRAIN_SECONDS" "$PYTHON" "$ROOT/impala_poly.py" --env-id "$ENV_ID" --num-envs "$NUM_ENVS" \
+    --total-timesteps 10000000 --run-name appo $APPO_FLAGS 2>&1 | grep -v -i warn
 echo "exit code ${PIPESTATUS[0]} (124: stopped by the time limit, as planned)"
 
 echo "== torchrun: 2 ranks on one GPU, $((NUM_ENVS / 2)) envs each, $RANK_STEPS steps"

@@ -92,7 +92,7 @@ def acting_loop_sps(env_id, seconds, num_envs, batch_size, num_threads):
 
         def act(self, obs, first, core_state):
             n = len(first)
-            return torch.randint(num_actions, (n,)), torch.zeros(n, num_actions), core_state, 0
+            return torch.randint(num_actions, (n,)), {"logits": torch.zeros(n, num_actions)}, core_state, 0
 
     batch_queue, stop = queue.Queue(maxsize=args.queue_size), threading.Event()
     thread = threading.Thread(
@@ -157,8 +157,8 @@ def network_sps(env_id, seconds, env_batch_size, num_threads, bf16):
         return calls * steps_per_call / (time.time() - start)
 
     def act():
-        action, logits, _, _ = policy.act(torch.from_numpy(obs).to(device), first, ())
-        action.cpu().numpy(), logits.cpu().numpy()
+        action, recorded, _, _ = policy.act(torch.from_numpy(obs).to(device), first, ())
+        action.cpu().numpy(), recorded["logits"].cpu().numpy()
 
     def learn():
         batch = {
