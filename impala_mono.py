@@ -958,29 +958,35 @@ def check_args(args):
     check_batch_reads()
 
 
-def check_batch_reads(functions=None):
+def check_batch_reads():
     """Exits with a one-line error, before anything starts, if the learner's code (compute_loss, learn, unroll) reads a
     key of the batch, as batch["name"], that the acting side does not record: the env's fields, the action, the
     policy version, the core state and RECORDED_OUTPUTS. Keys the code adds to a batch itself count as recorded."""
     recorded = {"obs", "reward", "terminated", "truncated", "action", "policy_version", "core_state", *RECORDED_OUTPUTS}
-    for function in functions or (compute_loss, learn, unroll):
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-        for node in ast.walk(tree):  # keys added: {**batch, "name": ...} and batch["name"] = ...
-            if isinstance(node, ast.Dict) and any(isinstance(key, ast.Constant) for key in node.keys):
+    nodes = {
+        function.__name__: list(ast.walk(ast.parse(textwrap.dedent(inspect.getsource(function)))))
+        for function in (compute_loss, learn, unroll)
+    }
+    keyed = [  # (function, batch["name"]), read or written
+        (name, node)
+        for name, function_nodes in nodes.items()
+        for node in function_nodes
+        if isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "batch"
+        and isinstance(node.slice, ast.Constant)
+    ]
+    for function_nodes in nodes.values():  # keys added anywhere: {**batch, "name": ...}
+        for node in function_nodes:
+            if isinstance(node, ast.Dict):
                 recorded |= {key.value for key in node.keys if isinstance(key, ast.Constant)}
-        for node in ast.walk(tree):
-            reads = (
-                isinstance(node, ast.Subscript)
-                and isinstance(node.value, ast.Name)
-                and node.value.id == "batch"
-                and isinstance(node.slice, ast.Constant)
-                and isinstance(node.ctx, ast.Load)
+    recorded |= {node.slice.value for _, node in keyed if isinstance(node.ctx, ast.Store)}  # batch["name"] = ...
+    for name, node in keyed:
+        if isinstance(node.ctx, ast.Load) and node.slice.value not in recorded:
+            sys.exit(
+                f"error: {name} reads batch[{node.slice.value!r}], which the actors do not record: add "
+                f"{node.slice.value!r} to RECORDED_OUTPUTS if it is an output of Agent.forward"
             )
-            if reads and node.slice.value not in recorded:
-                sys.exit(
-                    f"error: {function.__name__} reads batch[{node.slice.value!r}], which the actors do not record: add "
-                    f"{node.slice.value!r} to RECORDED_OUTPUTS if it is an output of Agent.forward"
-                )
 
 
 # The flags that change how a run is run, watched or stored, not what it learns; every other flag is a learning flag,

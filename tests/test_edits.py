@@ -1,6 +1,7 @@
 """A user's ordinary edits, each made in a copy of a script as a user would make it, and the outcome they must get: a
 new flag is covered by the resume warning with no other edit, and a new `Agent` argument is passed in one place."""
 
+import importlib.util
 import os
 
 import pytest
@@ -118,3 +119,23 @@ def test_a_key_the_actors_do_not_record_is_one_error_before_anything_starts(tmp_
         "it is an output of Agent.forward"
     )
     assert not os.path.exists(tmp_path / "runs")
+
+
+@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
+def test_a_key_learn_adds_to_the_batch_may_be_read_by_compute_loss(tmp_path, script):
+    """learn adds a key to the batch before the passes (the policy before the batch, say) and compute_loss reads it:
+    not a key the actors must record, wherever in the three functions it is added."""
+    old = ["    steps = []  # each optimizer step's stats\n", READS_VALUES[0]]
+    new = [
+        '    with torch.no_grad():\n        batch = {**batch, "before": unroll(agent, batch)["values"]}\n' + old[0],
+        '        "stats/value": values[:-1].mean(),\n        "stats/before": batch["before"][:-1].mean(),\n',
+    ]
+    path = edited_copy(tmp_path, script, old, new)
+    spec = importlib.util.spec_from_file_location(f"edited_{script[:-3]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.check_batch_reads()  # no SystemExit
+    module.RECORDED_OUTPUTS = ()  # the same check still refuses a key nobody records: "logits"
+    with pytest.raises(SystemExit) as exit:
+        module.check_batch_reads()
+    assert str(exit.value).startswith("error: compute_loss reads batch['logits'], which the actors do not record")
