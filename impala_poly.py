@@ -922,6 +922,7 @@ def load_checkpoint(path, args):
             file=sys.stderr,
         )
     trained = {**vars(type(args)()), **trained}  # a flag newer than the checkpoint: it trained at the flag's default
+    checkpoint["args"] = trained
     for name in ("env_id", "network", "use_lstm"):
         if trained[name] != getattr(args, name):
             sys.exit(
@@ -943,17 +944,18 @@ def load_checkpoint(path, args):
     return checkpoint
 
 
-def check_resumable(path, checkpoint, args, build, optimizer=None):
-    """Exits with a one-line error, before anything starts and leaving the file as it is, if the checkpoint's network
-    (or optimizer, when given: resuming) is not the one the flags and the code build (`build(args)`): a flag that shapes
-    the network set otherwise than in training (named), an edited network, or another optimizer."""
+def check_resumable(path, checkpoint, agent, args, build, optimizer=None):
+    """Exits with a one-line error, before anything starts and leaving the file as it is, if the checkpoint (as
+    load_checkpoint returns it) holds another network than `agent`, which the flags `args` and the code built (or
+    another optimizer's state, when given: resuming): a flag that shapes the network set otherwise than in training
+    (named: `build(flags)` makes the network for other flags), an edited network, or another optimizer."""
 
     def shapes(state):
         return {key: tuple(value.shape) for key, value in state.items()}
 
-    saved, built = shapes(checkpoint["model"]), shapes(build(args).state_dict())
+    saved, built = shapes(checkpoint["model"]), shapes(agent.state_dict())
     if saved != built:
-        trained = {**vars(type(args)()), **checkpoint["args"]}
+        trained = checkpoint["args"]
         differ = [name for name, value in vars(args).items() if name not in RUN_ONLY_FLAGS and trained[name] != value]
         # the flags whose training value alone builds the saved network
         flags = [name for name in differ if shapes(build(replace(args, **{name: trained[name]})).state_dict()) == saved]
@@ -970,7 +972,7 @@ def check_resumable(path, checkpoint, args, build, optimizer=None):
         return
     # The state an optimizer keeps per parameter names it (RMSprop: square_avg; Adam: exp_avg, exp_avg_sq): take one
     # step with zero gradients on a copy to see what this one keeps.
-    probe = build(args)
+    probe = copy.deepcopy(agent)
     probe_optimizer = type(optimizer)(probe.parameters(), **optimizer.defaults)
     for p in probe.parameters():
         p.grad = torch.zeros_like(p)
@@ -1097,7 +1099,7 @@ def train(args, signals):
     if checkpoint is not None:
         optimizer = None if args.eval_checkpoint else make_optimizer(args, agent)
         build = lambda flags: make_agent(flags, spec.observation_space, spec.action_space)  # noqa: E731
-        check_resumable(load_path, checkpoint, args, build, optimizer)
+        check_resumable(load_path, checkpoint, agent, args, build, optimizer)
     if world_size > 1:
         if use_cuda:
             torch.cuda.set_device(device)

@@ -204,7 +204,8 @@ def test_evaluating_another_network_speaks_of_evaluation(tmp_path, script):
     torch.save(wider_network(path), path)
     with pytest.raises(SystemExit) as exit:
         build = lambda flags: script.Agent((4,), 2)  # noqa: E731 (the network as the code builds it now)
-        script.check_resumable(path, torch.load(path, weights_only=True), script.Args(env_id="CartPole-v1"), build)
+        checkpoint = torch.load(path, weights_only=True)
+        script.check_resumable(path, checkpoint, agent, script.Args(env_id="CartPole-v1"), build)
     assert exit.value.code == (
         f"error: checkpoint {path} holds another network (actor.0.weight differs): evaluate it with the network it was "
         "trained with"
