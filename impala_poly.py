@@ -107,18 +107,10 @@ class Args:
     """the fresh batches --replay-proportion draws from: the last this many"""
     clip_coef: Optional[float] = None
     """APPO: PPO's clipped surrogate on V-trace's advantages, the ratio to the acting policy within 1 +- this"""
-    optimizer: Literal["rmsprop", "adam"] = "rmsprop"
-    """the paper's RMSProp, or Adam (PPO's and APPO's choice) with `adam_eps`"""
     rmsprop_alpha: float = 0.99
     """RMSProp smoothing constant"""
     rmsprop_eps: float = 0.01
     """RMSProp epsilon"""
-    adam_eps: float = 1e-5
-    """Adam epsilon (with --optimizer adam; betas at torch's 0.9, 0.999)"""
-    norm_adv: bool = False
-    """normalize the policy gradient's advantages to mean 0, standard deviation 1 in each minibatch (PPO's)"""
-    loss_reduction: Literal["sum", "mean"] = "sum"
-    """the loss over a minibatch's steps: their sum (the paper's, with RMSProp) or their mean (PPO's, with Adam)"""
     gamma: float = 0.99
     """the discount factor"""
     ent_coef: float = 0.01
@@ -338,8 +330,7 @@ def compute_loss(agent, batch, args):
     """V-trace actor-critic loss on rollouts [T + 1, B, ...].
 
     Losses are summed over T and B (as in the IMPALA paper and TorchBeast), not averaged; RMSProp divides the
-    gradient's scale out, so one learning rate serves batches of 160 (the default) and 640 steps (the paper's). With
-    --loss-reduction mean they are averaged over the steps of episodes instead (PPO's, for its gradient-norm clip).
+    gradient's scale out, so one learning rate serves batches of 160 (the default) and 640 steps (the paper's).
     """
     done = batch["terminated"] | batch["truncated"]
     output = unroll(agent, batch)
@@ -369,20 +360,15 @@ def compute_loss(agent, batch, args):
     else:  # APPO: the same without rho, for which the clipped surrogate's ratio to the acting policy stands in
         vs_next = torch.cat([vtrace_returns.vs[1:], values[-1:].detach()])
         advantages = (rewards + discounts * vs_next - values[:-1].detach()).masked_fill(done[:-1], 0.0)
-    if args.norm_adv:  # PPO's: mean 0 and standard deviation 1 over the (mini)batch's steps of episodes
-        valid = advantages[~done[:-1]]
-        advantages = ((advantages - valid.mean()) / (valid.std() + 1e-8)).masked_fill(done[:-1], 0.0)
-    # The reduction over T x B: a sum, or the mean over the steps of episodes (--loss-reduction mean).
-    num_steps = (~done[:-1]).sum() if args.loss_reduction == "mean" else 1
     if args.clip_coef is None:
-        policy_loss = -(advantages * target_log_probs).sum() / num_steps
+        policy_loss = -(advantages * target_log_probs).sum()
     else:  # PPO's clipped surrogate
         ratio = log_rhos.exp()  # 0 on a final obs, as its advantage
         clipped_ratio = ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
-        policy_loss = -torch.min(ratio * advantages, clipped_ratio * advantages).sum() / num_steps
-    value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum() / num_steps
+        policy_loss = -torch.min(ratio * advantages, clipped_ratio * advantages).sum()
+    value_loss = 0.5 * ((vtrace_returns.vs - values[:-1]) ** 2).sum()
     entropy = torch.distributions.Categorical(logits=logits[:-1]).entropy()[~done[:-1]]
-    loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum() / num_steps
+    loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy.sum()
     stats = {
         "losses/policy_loss": policy_loss,
         "losses/value_loss": value_loss,
@@ -401,10 +387,8 @@ def compute_loss(agent, batch, args):
 
 
 def make_optimizer(args, agent):
-    """The paper's RMSProp, or Adam. Another optimizer goes here (in both scripts); --resume refuses a checkpoint
-    written with another one."""
-    if args.optimizer == "adam":
-        return torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+    """The paper's RMSProp. Another optimizer goes here (in both scripts); --resume refuses a checkpoint written with
+    another one."""
     return torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
 
 
@@ -781,7 +765,6 @@ def check_args(args):
         "clip_coef",
         "learning_rate",
         "rmsprop_eps",  # 0 would divide a gradient of 0 by 0
-        "adam_eps",
     ):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -804,11 +787,6 @@ def check_args(args):
         sys.exit(
             f"error: --num-minibatches {args.num_minibatches} does not divide --batch-size {args.batch_size}: each "
             "minibatch is an equal share of the batch's rollouts"
-        )
-    if args.norm_adv and args.unroll_length * args.batch_size < 2 * args.num_minibatches:
-        sys.exit(
-            "error: --norm-adv needs at least 2 steps per minibatch to take their standard deviation: raise "
-            "--unroll-length or --batch-size"
         )
     if args.replay_proportion < 0:
         sys.exit(f"error: --replay-proportion must be 0 (no replay) or more, got {args.replay_proportion}")
@@ -982,7 +960,7 @@ def check_resumable(path, checkpoint, agent, args, build, optimizer=None):
     if kept and kept != keeps:
         sys.exit(
             f"error: checkpoint {path} holds the state of another optimizer ({', '.join(sorted(kept))}) than "
-            f"{type(optimizer).__name__}: resume with the optimizer it was trained with (--optimizer), or start a new run"
+            f"{type(optimizer).__name__}: resume with the optimizer it was trained with (make_optimizer), or start a new run"
         )
 
 

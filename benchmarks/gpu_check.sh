@@ -13,9 +13,7 @@ NUM_ENVS=${NUM_ENVS:-256}
 ENTRY_SECONDS=${ENTRY_SECONDS:-20}  # each throughput entry (not SECONDS: bash's own clock, 0 at start)
 TRAIN_SECONDS=${TRAIN_SECONDS:-150}
 RANK_STEPS=${RANK_STEPS:-400000}   # the torchrun leg: total steps over both ranks
-APPO_FLAGS=${APPO_FLAGS:-"--unroll-length 32 --batch-size 32 --update-epochs 4 --num-minibatches 4 --clip-coef 0.1 \
---optimizer adam --learning-rate 2.5e-4 --anneal-lr-timesteps 10000000 --norm-adv --loss-reduction mean \
---vtrace-lambda 0.95 --max-grad-norm 0.5"}
+APPO_FLAGS=${APPO_FLAGS:-"--replay-proportion 3 --clip-coef 0.1 --learning-rate 7.5e-4"}
 PYTHON=${PYTHON:-$(command -v python || command -v python3)}  # many GPU images have python3 alone
 WORK=$(mktemp -d)
 cd "$WORK"

@@ -90,7 +90,8 @@ def test_stalled_actors_stop_the_run(tmp_path, script):
 
 
 def adam_state(path):
-    """The checkpoint at `path` with the state of an Adam optimizer (after one step) in place of RMSprop's."""
+    """The checkpoint at `path` with the state of an Adam optimizer (after one step) in place of RMSprop's, as a run
+    with an edited make_optimizer would save."""
     checkpoint = torch.load(path, weights_only=True)
     agent = impala_poly.Agent((4,), 2)
     agent.load_state_dict(checkpoint["model"])
@@ -114,7 +115,7 @@ def wider_network(path):
     "edit, message",
     [
         (adam_state, "holds the state of another optimizer (exp_avg, exp_avg_sq, step) than RMSprop: resume with the "
-                     "optimizer it was trained with (--optimizer), or start a new run"),
+                     "optimizer it was trained with (make_optimizer), or start a new run"),
         (wider_network, "holds another network (actor.0.weight differs): resume it with the network it was trained with, "
                         "or start a new run"),
     ],
@@ -124,7 +125,7 @@ def test_resume_refuses_another_optimizer_or_network(tmp_path, script, edit, mes
     """A checkpoint written by other code (another optimizer, an edited network) is refused before anything starts:
     one error line, exit 1, the file left byte for byte as it was and nothing logged."""
     agent = script.Agent((4,), 2)
-    trained = script.Args(env_id="CartPole-v1", optimizer="rmsprop")
+    trained = script.Args(env_id="CartPole-v1")
     optimizer = script.make_optimizer(trained, agent)
     for p in agent.parameters():
         p.grad = torch.ones_like(p)
@@ -136,7 +137,7 @@ def test_resume_refuses_another_optimizer_or_network(tmp_path, script, edit, mes
     with open(path, "rb") as f:
         before = f.read()
     name = f"{script.__name__}.py"
-    flags = [*FLAGS[name], "--optimizer", "rmsprop", "--resume", path]
+    flags = [*FLAGS[name], "--resume", path]
     result = run(name, "--env-id", "CartPole-v1", "--total-timesteps", 80, *flags, cwd=tmp_path)
     assert result.returncode == 1
     assert error_line(result) == f"error: checkpoint {path} {message}"
