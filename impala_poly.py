@@ -531,12 +531,12 @@ def outputs_finite(agent, batch):
 
 @contextlib.contextmanager
 def all_or_nothing(agent, optimizer):
-    """An update applied whole or not at all: if the block raises FloatingPointError or StatError, the parameters and
-    the optimizer state go back to what they were before it."""
+    """An update applied whole or not at all: if the block raises (FloatingPointError, StatError or any other error
+    halfway through its optimizer steps), the parameters and the optimizer state go back to what they were before it."""
     before = copy.deepcopy(agent.state_dict()), copy.deepcopy(optimizer.state_dict())
     try:
         yield
-    except (FloatingPointError, StatError):
+    except BaseException:
         agent.load_state_dict(before[0])
         optimizer.load_state_dict(before[1])
         raise
@@ -765,6 +765,9 @@ def check_args(args):
         "clip_coef",
         "learning_rate",
         "rmsprop_eps",  # 0 would divide a gradient of 0 by 0
+        "max_grad_norm",  # 0 would zero every gradient, a negative one turn it around
+        "clip_rho_threshold",
+        "clip_pg_rho_threshold",
     ):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -842,6 +845,11 @@ def check_args(args):
                 "error: torchrun --max-restarts needs a run folder that every restart finds: pass --run-name or "
                 "torchrun --rdzv-id"
             )
+    if args.resume and args.eval_checkpoint:
+        sys.exit(
+            "error: --resume and --eval-checkpoint both name a checkpoint: pass --resume to train on, or "
+            "--eval-checkpoint to evaluate"
+        )
     for name, path in (("resume", args.resume), ("eval_checkpoint", args.eval_checkpoint)):
         if path is not None and not os.path.isfile(path) and os.environ.get("RANK", "0") == "0":
             sys.exit(f"error: --{name.replace('_', '-')} {path}: no such file")
@@ -917,6 +925,13 @@ def load_checkpoint(path, args):
             print(
                 f"warning: resuming {path} under other flags than it was trained with: {', '.join(changed)}; pass "
                 "the training values to continue the same run",
+                file=sys.stderr,
+            )
+        unknown = [f"--{name.replace('_', '-')} {value}" for name, value in trained.items() if name not in vars(args)]
+        if unknown:  # a flag of the script that wrote it (patched, or from before the flag was retired)
+            print(
+                f"warning: resuming {path}, trained with flags this script does not have: {', '.join(unknown)}; the "
+                "run goes on without them",
                 file=sys.stderr,
             )
     return checkpoint
@@ -1110,7 +1125,9 @@ def train(args, signals):
     replay = Replay(args.replay_proportion, args.replay_buffer)  # empty on --resume: it refills in replay_buffer updates
     progress = Progress()
     if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer.load_state_dict(checkpoint["optimizer"])  # its state, and the hyperparameters it was saved with:
+        for group in optimizer.param_groups:  # those the flags given set instead (--rmsprop-eps, ...)
+            group.update(optimizer.defaults)
         progress = Progress(checkpoint["global_step"], checkpoint["num_updates"])
     writer = None
     if master_process:

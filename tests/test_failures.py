@@ -146,6 +146,22 @@ def test_resume_refuses_another_optimizer_or_network(tmp_path, script, edit, mes
     assert os.listdir(os.path.dirname(path)) == ["checkpoint.pt"]  # no events file: nothing started
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
+def test_a_resumed_run_steps_the_optimizer_under_the_flags_given(tmp_path, script):
+    """torch's load_state_dict also restores the hyperparameters an optimizer was saved with; a resumed run goes on
+    under the flags given (README), so the checkpoint it saves holds the new RMSProp epsilon and alpha."""
+    run_dir = train(script, "CartPole-v1", 80, FLAGS[script], tmp_path)
+    path = os.path.join(run_dir, "checkpoint.pt")
+    assert {(g["eps"], g["alpha"]) for g in torch.load(path, weights_only=True)["optimizer"]["param_groups"]} == {(0.01, 0.99)}
+    flags = ["--rmsprop-eps", 0.001, "--rmsprop-alpha", 0.9, "--resume", path]
+    result = run(script, "--env-id", "CartPole-v1", "--total-timesteps", 160, *FLAGS[script], *flags, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    resumed = torch.load(path, weights_only=True)
+    assert resumed["global_step"] >= 160
+    assert {(g["eps"], g["alpha"]) for g in resumed["optimizer"]["param_groups"]} == {(0.001, 0.9)}
+
+
 @pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])
 def test_resume_under_other_flags_warns(tmp_path, script, capsys):
     """A resumed run goes on under the flags given: one warning line names each learning flag that differs from the
@@ -192,6 +208,18 @@ def test_resume_under_other_flags_warns(tmp_path, script, capsys):
         f"{script.Args().clip_coef}), --ent-coef 0.5 (trained with {default}); pass the training values to continue the "
         "same run\n"
     )
+
+    # A flag the script no longer has (retired, or a patch's): named with its value when resuming, not when evaluating.
+    checkpoint["args"].update(norm_adv=True, loss_reduction="mean")
+    torch.save(checkpoint, path)
+    capsys.readouterr()
+    script.load_checkpoint(path, args(clip_coef=None, ent_coef=default, total_timesteps=1000, resume=path))
+    assert capsys.readouterr().err == newer + (
+        f"warning: resuming {path}, trained with flags this script does not have: --norm-adv True, --loss-reduction "
+        "mean; the run goes on without them\n"
+    )
+    script.load_checkpoint(path, args(eval_checkpoint=path))
+    assert capsys.readouterr().err == newer
 
 
 @pytest.mark.parametrize("script", [impala_mono, impala_poly], ids=["mono", "poly"])

@@ -128,6 +128,28 @@ def test_a_pass_that_goes_non_finite_applies_nothing_of_the_batch(script, monkey
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
+def test_any_error_halfway_through_a_batch_applies_nothing_of_it(script, monkeypatch):
+    """Another error than a non-finite one (out of memory, a lost peer in an all-reduce) on pass 2 of 2, after pass
+    1's step: the batch is undone as well, so the checkpoint the run saves as it stops holds no half of it."""
+    args, agent, optimizer, batch = setup(script, update_epochs=2, num_minibatches=1)
+    script.learn(agent, optimizer, batch, args, global_step=0)
+    before = state(agent, optimizer)
+    compute_loss, calls = script.compute_loss, []
+
+    def failing(agent, batch, args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return compute_loss(agent, batch, args)
+
+    monkeypatch.setattr(script, "compute_loss", failing)
+    with pytest.raises(RuntimeError, match="^out of memory$"):
+        script.learn(agent, optimizer, batch, args, global_step=0)
+    assert len(calls) == 2
+    assert_same_state(before, state(agent, optimizer))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
 @pytest.mark.parametrize("update_epochs", [1, 2])
 def test_a_step_that_blows_the_weights_up_is_undone(script, update_epochs):
     """A finite gradient times a learning rate of 1e30 gives finite weights whose outputs overflow: not applied."""
@@ -205,6 +227,15 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         ),
         (dict(learning_rate=0.0), "error: --learning-rate must be positive, got 0.0"),
         (dict(rmsprop_eps=0.0), "error: --rmsprop-eps must be positive, got 0.0"),
+        (dict(max_grad_norm=0.0), "error: --max-grad-norm must be positive, got 0.0"),
+        (dict(max_grad_norm=-40.0), "error: --max-grad-norm must be positive, got -40.0"),
+        (dict(clip_rho_threshold=0.0), "error: --clip-rho-threshold must be positive, got 0.0"),
+        (dict(clip_pg_rho_threshold=-1.0), "error: --clip-pg-rho-threshold must be positive, got -1.0"),
+        (
+            dict(resume="a/checkpoint.pt", eval_checkpoint="b/checkpoint.pt"),
+            "error: --resume and --eval-checkpoint both name a checkpoint: pass --resume to train on, or "
+            "--eval-checkpoint to evaluate",
+        ),
     ],
     ids=[
         "epochs",
@@ -220,6 +251,11 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         "replay-buffer-small",
         "learning-rate",
         "rmsprop-eps",
+        "max-grad-norm-0",
+        "max-grad-norm-negative",
+        "rho-bar-0",
+        "pg-rho-bar-negative",
+        "resume-and-eval",
     ],
 )
 def test_bad_learning_flags_are_one_error_before_anything_starts(script, flags, message):
