@@ -9,9 +9,11 @@ Run `{env_id}__{script}__{seed}__atari` starts in `--runs-dir`, so it writes `{r
 checkpoint.pt) and appends its output to `{runs_dir}/{run_name}.log`. A run whose checkpoint is short of the budget is
 continued with --resume, also one trained for a shorter budget (its learning rate anneals over --anneal-lr-timesteps,
 whatever the budget); a run whose rate annealed over its own budget (from before that flag) is not. A finished run's
-curve is merged into `{out}/curves.csv` and the run (with its precision and the CPU that finished it) into
-`{out}/runs.csv`: the out folder (committed) alone says which runs are done, even when the run folders are gone. The
-table scores every run recorded with at least the budget's steps at the budget, and notes a run trained for a longer one.
+curve is merged into `{out}/curves.csv` and the run (with its precision, the CPU that finished it and the flags after
+--) into `{out}/runs.csv`: the out folder (committed) alone says which runs are done, even when the run folders are
+gone. An out folder holds one configuration: a runner given other flags after -- than its runs.csv records refuses it.
+The table scores every run recorded with at least the budget's steps at the budget, and notes a run trained for a
+longer one.
 """
 
 import argparse
@@ -42,7 +44,8 @@ GAMES = [
     "Qbert-v5",
 ]
 # precision and cpu: what the run's network computed in and the machine that finished it, since wall time depends on both.
-RUN_FIELDS = ["env_id", "script", "seed", "total_timesteps", "global_step", "hours", "episodes", "precision", "cpu"]
+RUN_FIELDS = ["env_id", "script", "seed", "total_timesteps", "global_step", "hours", "episodes", "precision", "cpu", "flags"]
+NOT_RECORDED = "not recorded"  # the flags of a row from before runs.csv had the column
 WINDOW = 100  # games in each seed's final score
 
 # (random, human) scores of the 57 games, keyed by EnvPool's name: the standard table of the Agent57 and R2D2 papers
@@ -200,10 +203,10 @@ def last_mean(returns):
     return f"mean of last {len(returns[-WINDOW:])} = {np.mean(returns[-WINDOW:]):.1f}" if len(returns) else "no full game yet"
 
 
-def record(out, run_dir, checkpoint, env_id, script, seed, total_timesteps):
-    """Merges a finished run's curve into curves.csv (replacing its old rows) and the run, with its checkpoint's step and
-    precision, into runs.csv; returns its returns. Hours count training time only: the sum of its sessions
-    (plot_curves.sessions)."""
+def record(out, run_dir, checkpoint, env_id, script, seed, total_timesteps, flags):
+    """Merges a finished run's curve into curves.csv (replacing its old rows) and the run, with its checkpoint's step,
+    precision and the flags given after `--`, into runs.csv; returns its returns. Hours count training time only: the
+    sum of its sessions (plot_curves.sessions)."""
     curve = plot_curves.read_run(run_dir)
     rows = [
         dict(env_id=env_id, script=script, seed=seed, global_step=step, hours=round(hours, 6), episodic_return=value)
@@ -225,8 +228,11 @@ def record(out, run_dir, checkpoint, env_id, script, seed, total_timesteps):
         episodes=len(rows),
         precision="bfloat16" if checkpoint["args"].get("bf16") else "float32",
         cpu=this_cpu(),
+        flags=flags,
     )
     runs = [r for r in read_csv(os.path.join(out, "runs.csv")) if key(r) != (env_id, script, seed)] + [run]
+    for r in runs:
+        r.setdefault("flags", NOT_RECORDED)
     write_csv(os.path.join(out, "runs.csv"), RUN_FIELDS, sorted(runs, key=key))
     return [value for _, _, value in curve]
 
@@ -256,7 +262,7 @@ def run_all(args, script, extra):
             )
             failed += 1
         elif step is not None and step >= args.total_timesteps:  # finished, but not recorded (the runner was stopped)
-            returns = record(args.out, run_dir, checkpoint, env_id, name, seed, args.total_timesteps)
+            returns = record(args.out, run_dir, checkpoint, env_id, name, seed, args.total_timesteps, shlex.join(extra))
             print(
                 f"{tag}: skipped, finished at global_step {step} per its checkpoint: recorded, {last_mean(returns)}",
                 flush=True,
@@ -309,7 +315,9 @@ def run_all(args, script, extra):
                 checkpoint = read_checkpoint(os.path.join(run_dir, "checkpoint.pt"))
                 step = checkpoint["global_step"] if checkpoint else None
                 if process.returncode == 0 and step is not None and step >= args.total_timesteps:
-                    returns = record(args.out, run_dir, checkpoint, env_id, name, seed, args.total_timesteps)
+                    returns = record(
+                        args.out, run_dir, checkpoint, env_id, name, seed, args.total_timesteps, shlex.join(extra)
+                    )
                     minutes = (time.time() - start) / 60
                     print(f"{tag}: finished in {minutes:.1f} min, {last_mean(returns)}", flush=True)
                 else:
@@ -404,6 +412,10 @@ def report(args, script):
             lines.append(f"- {labels[m]}: {m}; {count} run{'s' if count > 1 else ''}")
     elif machines and machines != ["machine not recorded"]:
         lines += ["", f"Every run on one machine: {machines[0]}."]
+    configurations = sorted({r.get("flags") for r in finished_runs} - {None, NOT_RECORDED})
+    if configurations:
+        given = ", ".join(f"`{flags}`" if flags else "none (the script's defaults)" for flags in configurations)
+        lines += ["", f"Flags given to the runs (after `--`): {given}."]
     lines += atari5_lines(hns_by_seed)
     if unfinished:
         lines += ["", f"Not finished at {args.total_timesteps:,} steps (not in the table):", ""]
@@ -471,6 +483,10 @@ def atari5_lines(hns_by_seed):
     ] + lines
 
 
+def described(flags):
+    return f"'{flags}'" if flags else "none"
+
+
 def parse_args(argv):
     """The runner's flags, and the flags after the first `--`, passed verbatim to every run."""
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -497,6 +513,15 @@ def parse_args(argv):
     owned = {"--env-id", "--seed", "--total-timesteps", "--run-name", "--resume"} & {flag.split("=")[0] for flag in extra}
     if owned:
         parser.exit(2, f"error: {', '.join(sorted(owned))} after -- : the runner sets these for each run\n")
+    # One configuration per out folder: its table and Atari-5 estimate must not mix runs trained with other flags.
+    recorded = {r.get("flags") for r in read_csv(os.path.join(args.out, "runs.csv"))} - {None, NOT_RECORDED}
+    other = sorted(recorded - {shlex.join(extra)})
+    if other and not args.report_only:
+        parser.exit(
+            2,
+            f"error: {args.out}/runs.csv holds runs trained with {described(other[0])} after --, these would have "
+            f"{described(shlex.join(extra))}: give each configuration its own --out and --runs-dir\n",
+        )
     return args, script, extra
 
 

@@ -5,6 +5,7 @@ import csv
 import glob
 import math
 import os
+import shlex
 import sys
 
 import envpool
@@ -93,6 +94,7 @@ def test_runs_skip_and_resume(tmp_path):
         bf16 = checkpoint(tmp_path, f"{r['env_id']}__impala_poly__{r['seed']}__atari")["args"]["bf16"]
         assert (r["precision"], r["cpu"]) == ("bfloat16" if bf16 else "float32", atari.this_cpu())
         assert r["cpu"].startswith(f"{cpu} ({os.cpu_count()} cores, ")
+        assert r["flags"] == shlex.join(TINY[1:])  # the flags after --, as given
     # Pong's games last thousands of steps: no score, said in the table.
     table = (tmp_path / "results" / "atari" / "results.md").read_text()
     assert "| Pong-v5 | impala_poly | 2 | - | - | " in table
@@ -434,3 +436,51 @@ def test_unknown_game(tmp_path):
         == "error: unknown game 'Pongg-v5': pass EnvPool Atari ids such as Pong-v5 or Qbert-v5"
     )
     assert os.listdir(tmp_path) == []  # nothing started
+
+
+def test_one_configuration_per_out(tmp_path):
+    """runs.csv records the flags given after `--`; a runner given other flags refuses the out folder before anything
+    starts (its table and Atari-5 estimate would mix configurations), a folder without the column (older) is not
+    checked, and --report-only redraws whatever the folder holds, naming the flags in results.md."""
+    os.makedirs(tmp_path / "out")
+    run_row = dict(
+        env_id="Breakout-v5",
+        script="impala_poly",
+        seed=1,
+        total_timesteps=100,
+        global_step=100,
+        hours=0.5,
+        episodes=1,
+        precision="float32",
+        cpu="AMD EPYC (2 cores, no bf16)",
+    )
+    write_csv(
+        tmp_path / "out" / "curves.csv",
+        [dict(env_id="Breakout-v5", script="impala_poly", seed=1, global_step=50, hours=0.1, episodic_return=3.0)],
+    )
+    write_csv(tmp_path / "out" / "runs.csv", [dict(run_row, flags="--clip-coef 0.1 --replay-proportion 3")])
+    asked = ["--env-ids", "Breakout-v5", "--seeds", 1, "--total-timesteps", 100, "--out", "out", "--runs-dir", "runs"]
+    before = {path: (tmp_path / "out" / path).read_bytes() for path in os.listdir(tmp_path / "out")}
+    assert error_line(bench(*asked, "--", "--clip-coef", "0.2", cwd=tmp_path)) == (
+        "error: out/runs.csv holds runs trained with '--clip-coef 0.1 --replay-proportion 3' after --, these would have "
+        "'--clip-coef 0.2': give each configuration its own --out and --runs-dir"
+    )
+    assert error_line(bench(*asked, cwd=tmp_path)) == (
+        "error: out/runs.csv holds runs trained with '--clip-coef 0.1 --replay-proportion 3' after --, these would have "
+        "none: give each configuration its own --out and --runs-dir"
+    )
+    assert {path: (tmp_path / "out" / path).read_bytes() for path in os.listdir(tmp_path / "out")} == before
+    assert not os.path.exists(tmp_path / "runs")  # nothing started
+
+    # The same flags: Breakout seed 1 is done per runs.csv, so it is skipped; the table names the flags.
+    result = bench(*asked, "--", "--clip-coef", "0.1", "--replay-proportion", "3", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "[1/1] Breakout-v5 seed 1: skipped, finished at global_step 100 (out/runs.csv)" in result.stdout
+    table = (tmp_path / "out" / "results.md").read_text().splitlines()
+    assert "Flags given to the runs (after `--`): `--clip-coef 0.1 --replay-proportion 3`." in table
+
+    # A folder from before the column: no check, and no flags named.
+    write_csv(tmp_path / "out" / "runs.csv", [run_row])
+    result = bench(*asked, "--", "--clip-coef", "0.2", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert not any(line.startswith("Flags") for line in (tmp_path / "out" / "results.md").read_text().splitlines())
