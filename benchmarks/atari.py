@@ -240,6 +240,7 @@ def record(out, run_dir, checkpoint, env_id, script, seed, total_timesteps, flag
 def run_all(args, script, extra):
     """Trains every (game, seed) not finished yet, `--jobs` at a time; returns the process exit code."""
     name = os.path.splitext(os.path.basename(script))[0]
+    flags = shlex.join(extra)  # as runs.csv records them
     done = {key(r): int(r["global_step"]) for r in read_csv(os.path.join(args.out, "runs.csv"))}
     todo = [(env_id, seed) for env_id in args.env_ids for seed in args.seeds]
     pending, running, failed = [], {}, 0
@@ -262,7 +263,7 @@ def run_all(args, script, extra):
             )
             failed += 1
         elif step is not None and step >= args.total_timesteps:  # finished, but not recorded (the runner was stopped)
-            returns = record(args.out, run_dir, checkpoint, env_id, name, seed, args.total_timesteps, shlex.join(extra))
+            returns = record(args.out, run_dir, checkpoint, env_id, name, seed, args.total_timesteps, flags)
             print(
                 f"{tag}: skipped, finished at global_step {step} per its checkpoint: recorded, {last_mean(returns)}",
                 flush=True,
@@ -315,9 +316,7 @@ def run_all(args, script, extra):
                 checkpoint = read_checkpoint(os.path.join(run_dir, "checkpoint.pt"))
                 step = checkpoint["global_step"] if checkpoint else None
                 if process.returncode == 0 and step is not None and step >= args.total_timesteps:
-                    returns = record(
-                        args.out, run_dir, checkpoint, env_id, name, seed, args.total_timesteps, shlex.join(extra)
-                    )
+                    returns = record(args.out, run_dir, checkpoint, env_id, name, seed, args.total_timesteps, flags)
                     minutes = (time.time() - start) / 60
                     print(f"{tag}: finished in {minutes:.1f} min, {last_mean(returns)}", flush=True)
                 else:
@@ -412,7 +411,7 @@ def report(args, script):
             lines.append(f"- {labels[m]}: {m}; {count} run{'s' if count > 1 else ''}")
     elif machines and machines != ["machine not recorded"]:
         lines += ["", f"Every run on one machine: {machines[0]}."]
-    configurations = sorted({r.get("flags") for r in finished_runs} - {None, NOT_RECORDED})
+    configurations = recorded_flags(finished_runs)
     if configurations:
         given = ", ".join(f"`{flags}`" if flags else "none (the script's defaults)" for flags in configurations)
         lines += ["", f"Flags given to the runs (after `--`): {given}."]
@@ -483,6 +482,11 @@ def atari5_lines(hns_by_seed):
     ] + lines
 
 
+def recorded_flags(runs):
+    """The distinct flags runs.csv rows record, sorted; rows from before the column record none."""
+    return sorted({r.get("flags") for r in runs} - {None, NOT_RECORDED})
+
+
 def described(flags):
     return f"'{flags}'" if flags else "none"
 
@@ -514,13 +518,13 @@ def parse_args(argv):
     if owned:
         parser.exit(2, f"error: {', '.join(sorted(owned))} after -- : the runner sets these for each run\n")
     # One configuration per out folder: its table and Atari-5 estimate must not mix runs trained with other flags.
-    recorded = {r.get("flags") for r in read_csv(os.path.join(args.out, "runs.csv"))} - {None, NOT_RECORDED}
-    other = sorted(recorded - {shlex.join(extra)})
-    if other and not args.report_only:
+    flags = shlex.join(extra)
+    other = [f for f in recorded_flags(read_csv(os.path.join(args.out, "runs.csv"))) if f != flags]
+    if other and not args.report_only:  # a report trains nothing: it redraws whatever the folder holds
         parser.exit(
             2,
             f"error: {args.out}/runs.csv holds runs trained with {described(other[0])} after --, these would have "
-            f"{described(shlex.join(extra))}: give each configuration its own --out and --runs-dir\n",
+            f"{described(flags)}: give each configuration its own --out and --runs-dir\n",
         )
     return args, script, extra
 

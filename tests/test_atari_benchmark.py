@@ -479,6 +479,12 @@ def test_one_configuration_per_out(tmp_path):
     table = (tmp_path / "out" / "results.md").read_text().splitlines()
     assert "Flags given to the runs (after `--`): `--clip-coef 0.1 --replay-proportion 3`." in table
 
+    # --report-only trains nothing, so other flags do not matter: it redraws the table as the folder holds it.
+    result = bench(*asked, "--report-only", "--", "--clip-coef", "0.2", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    table = (tmp_path / "out" / "results.md").read_text().splitlines()
+    assert "Flags given to the runs (after `--`): `--clip-coef 0.1 --replay-proportion 3`." in table
+
     # A folder from before the column: no check, and no flags named.
     write_csv(tmp_path / "out" / "runs.csv", [run_row])
     result = bench(*asked, "--", "--clip-coef", "0.2", cwd=tmp_path)
