@@ -97,10 +97,6 @@ class Args:
     anneal_lr_timesteps: int = 50_000_000
     """the steps over which --anneal-lr takes the learning rate linearly to 0: the paper's 200M Atari frames, whatever
     --total-timesteps, so that a shorter run learns as the first steps of a full one (README)"""
-    update_epochs: int = 1
-    """passes over each batch, each recomputing V-trace under the current parameters (IMPALA: 1)"""
-    num_minibatches: int = 1
-    """optimizer steps per pass, each on an equal share of the batch's rollouts; must divide --batch-size"""
     replay_proportion: int = 0
     """replayed batches learned with each fresh one, drawn at random from the last `replay_buffer` (LASER, RLlib; 0: off)"""
     replay_buffer: int = 8
@@ -393,49 +389,41 @@ def make_optimizer(args, agent):
 
 
 def learn(agent, optimizer, batch, args, global_step, world_size=1):
-    """One update on a batch of rollouts [T + 1, B, ...] (every rank calls this with its own batch, in step):
-    `update_epochs` passes, each of `num_minibatches` optimizer steps: the loss (V-trace under the current parameters),
-    its gradient averaged over the ranks, clipped to `max_grad_norm`, a step. Returns the stats as floats, the mean over
-    the steps (and `stats/rho_clipped_pass<k>`, `stats/surrogate_clipped_pass<k>`). All of the batch or none: if a
-    gradient, or the network's outputs after a step, are not finite, the state from before the batch comes back and
-    FloatingPointError is raised on every rank."""
+    """One update on a batch of rollouts [T + 1, B, ...] (every rank calls this with its own batch, in step): the loss
+    (V-trace under the current parameters), its gradient averaged over the ranks, clipped to `max_grad_norm`, one
+    optimizer step. Returns the stats as floats. All of the batch or none: if the gradient, or the network's outputs
+    after the step, are not finite, the state from before the batch comes back and FloatingPointError is raised on
+    every rank."""
     fraction_left = max(0.0, 1.0 - global_step / args.anneal_lr_timesteps)  # never below 0
     learning_rate = args.learning_rate * (fraction_left if args.anneal_lr else 1.0)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate
-    steps = []  # each optimizer step's stats
     with all_or_nothing(agent, optimizer):
-        for epoch in range(args.update_epochs):
-            where = f" on pass {epoch + 1}" if args.update_epochs > 1 else ""  # for the error messages
-            for minibatch in split_batch(batch, args.num_minibatches):
-                loss, stats = compute_loss(agent, minibatch, args)
-                stats = scalar_stats(stats, loss.device)
-                optimizer.zero_grad()
-                loss.backward()
-                if world_size > 1:
-                    all_reduce_gradients(agent, world_size)
-                grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
-                if not torch.isfinite(grad_norm):
-                    bad = [key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)]
-                    raise FloatingPointError(f"not finite ({', '.join(bad) or 'the gradient'}){where}")
-                optimizer.step()
-                finite = outputs_finite(agent, batch).float()
-                if world_size > 1:
-                    dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank restores and raises alike
-                if not finite:
-                    raise FloatingPointError(
-                        f"not finite after its step{where} (the network's outputs: the step blew the weights up)"
-                    )
-                stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": (grad_norm > args.max_grad_norm).float()})
-                steps.append(stats)
-    stats = mean_stats(steps, args.update_epochs)
+        loss, stats = compute_loss(agent, batch, args)
+        stats = scalar_stats(stats, loss.device)
+        optimizer.zero_grad()
+        loss.backward()
+        if world_size > 1:
+            all_reduce_gradients(agent, world_size)
+        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # the norm before clipping
+        if not torch.isfinite(grad_norm):
+            bad = [key.split("/")[1] for key, value in stats.items() if not torch.isfinite(value)]
+            raise FloatingPointError(f"not finite ({', '.join(bad) or 'the gradient'})")
+        optimizer.step()
+        finite = outputs_finite(agent, batch).float()
+        if world_size > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank restores and raises alike
+        if not finite:
+            raise FloatingPointError("not finite after its step (the network's outputs: the step blew the weights up)")
+    stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": (grad_norm > args.max_grad_norm).float()})
+    stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # floats, with one device sync
     stats["charts/learning_rate"] = learning_rate
     return stats
 
 
 # ======================================================================================================================
-# MACHINERY: what a researcher does not need to touch. The batch helpers (the forward over rollouts, minibatches, the
-# replay buffer the learner thread mixes in), precision detection, video, evaluation, the env pool's loop and its
+# MACHINERY: what a researcher does not need to touch. The batch helpers (the forward over rollouts, the replay buffer
+# the learner thread mixes in), precision detection, video, evaluation, the env pool's loop and its
 # rollout assembly, argument checks, checkpoint I/O, signals, the learner's counters and the ranks' stop agreement, then
 # the main program: threads, supervision, logging, restarts and shutdown.
 # ======================================================================================================================
@@ -448,18 +436,6 @@ def unroll(agent, batch):
     first = torch.cat([torch.zeros_like(done[:1]), done[:-1]])
     core_state = tuple(batch["core_state"]) if "core_state" in batch else ()
     return agent(batch["obs"], first, core_state)
-
-
-def split_batch(batch, num_minibatches):
-    """The batch's rollouts in `num_minibatches` random equal shares (the batch itself for one): each [T + 1, B / n, ...]
-    per step, policy_version [B / n], core_state [2, B / n, hidden]."""
-    if num_minibatches == 1:
-        return [batch]
-    order = torch.randperm(batch["obs"].shape[1], device=batch["obs"].device)
-    return [
-        {key: value[rollouts] if value.dim() == 1 else value[:, rollouts] for key, value in batch.items()}
-        for rollouts in order.chunk(num_minibatches)
-    ]
 
 
 class Replay:
@@ -504,19 +480,6 @@ def scalar_stats(stats, device):
             )
         checked[key] = value
     return checked
-
-
-def mean_stats(steps, update_epochs):
-    """Each stat's mean over a batch's optimizer steps, as floats (one device sync); with several passes also
-    `stats/rho_clipped_pass<k>` and `stats/surrogate_clipped_pass<k>`: how far each pass drifted from the acting policy."""
-    stacked = {key: torch.stack([step[key] for step in steps]) for key in steps[0]}  # [steps] per stat
-    stats = {key: values.mean() for key, values in stacked.items()}
-    for key in ("stats/rho_clipped", "stats/surrogate_clipped"):
-        if update_epochs > 1 and key in stacked:
-            passes = stacked[key].view(update_epochs, -1).mean(1)
-            for epoch, value in enumerate(passes, 1):
-                stats[f"{key}_pass{epoch}"] = value
-    return dict(zip(stats, torch.stack(list(stats.values())).tolist()))
 
 
 def outputs_finite(agent, batch):
@@ -759,8 +722,6 @@ def check_args(args):
         "stall_timeout",
         "video_interval",
         "anneal_lr_timesteps",
-        "update_epochs",
-        "num_minibatches",
         "replay_buffer",
         "clip_coef",
         "learning_rate",
@@ -785,11 +746,6 @@ def check_args(args):
         sys.exit(
             f"error: --clip-pg-rho-threshold {args.clip_pg_rho_threshold} clips IMPALA's policy gradient, which "
             f"--clip-coef {args.clip_coef} replaces with the clipped surrogate: pass one of the two"
-        )
-    if args.batch_size % args.num_minibatches:
-        sys.exit(
-            f"error: --num-minibatches {args.num_minibatches} does not divide --batch-size {args.batch_size}: each "
-            "minibatch is an equal share of the batch's rollouts"
         )
     if args.replay_proportion < 0:
         sys.exit(f"error: --replay-proportion must be 0 (no replay) or more, got {args.replay_proportion}")

@@ -1,6 +1,6 @@
-"""Both scripts' `learn`: several passes per batch, minibatches, the learning rate's horizon, the stats it accepts, and
-its promise that a batch is applied whole or not at all (a non-finite gradient on any pass, or a step that blows the
-weights up, restores the parameters and the optimizer state from before the batch)."""
+"""Both scripts' `learn`: one optimizer step per batch, the learning rate's horizon, the stats it accepts, and its
+promise that a batch is applied whole or not at all (a non-finite gradient, a step that blows the weights up, or any
+error after the step restores the parameters and the optimizer state from before the batch)."""
 
 import copy
 import os
@@ -63,39 +63,16 @@ def counting_loss(script, monkeypatch, bad_call=None, extra=None):
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
-def test_several_passes_in_minibatches_report_the_mean(script, monkeypatch):
-    """3 passes of 3 minibatches over B = 3 rollouts: 9 optimizer steps of one rollout each, and every stat is the mean
-    over the 9 steps (stats/call: the mean of 1..9). The first pass's first step learns from the policy that acted
-    (behaviour logits are the agent's own here), so no importance weight is clipped on it."""
-    args, agent, optimizer, batch = setup(script, update_epochs=3, num_minibatches=3)
-    with torch.no_grad():
-        batch["logits"] = agent(batch["obs"], torch.zeros(batch["obs"].shape[:2], dtype=torch.bool), ())["logits"]
+def test_one_step_on_the_whole_batch(script, monkeypatch):
+    """An update is one loss on all B = 3 rollouts and one optimizer step; its stats are that loss's."""
+    args, agent, optimizer, batch = setup(script)
     calls = counting_loss(script, monkeypatch)
     before = state(agent, optimizer)
     stats = script.learn(agent, optimizer, batch, args, global_step=0)
-    assert calls == [1] * 9
-    assert stats["stats/call"] == pytest.approx(5.0)
-    assert optimizer.state[next(agent.parameters())]["step"].item() == 9
+    assert calls == [3]
+    assert stats["stats/call"] == 1.0
+    assert optimizer.state[next(agent.parameters())]["step"].item() == 1
     assert not torch.equal(before[0][0], next(agent.parameters()))
-    assert set(stats) >= {f"stats/rho_clipped_pass{k}" for k in (1, 2, 3)}
-    assert 0.0 <= stats["stats/rho_clipped_pass1"] < stats["stats/rho_clipped_pass3"]
-
-
-@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
-def test_split_batch_takes_every_rollout_once(script):
-    batch = {
-        "obs": torch.arange(6.0).expand(4, 6),  # [T + 1, B]: the rollout's index
-        "core_state": torch.arange(6.0).expand(2, 6)[:, :, None],  # [2, B, 1]
-        "policy_version": torch.arange(6),  # [B]
-    }
-    shares = script.split_batch(batch, 3)
-    assert len(shares) == 3
-    seen = sorted(i for share in shares for i in share["policy_version"].tolist())
-    assert seen == list(range(6))
-    for share in shares:
-        assert share["obs"].shape == (4, 2) and share["core_state"].shape == (2, 2, 1)
-        assert torch.equal(share["obs"][0], share["policy_version"].float())
-        assert torch.equal(share["core_state"][1, :, 0], share["policy_version"].float())
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
@@ -114,61 +91,56 @@ def test_learning_rate_anneals_over_its_horizon(script, global_step, horizon, ra
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
-def test_a_pass_that_goes_non_finite_applies_nothing_of_the_batch(script, monkeypatch):
-    """The infinite loss comes on pass 2 of 3, after pass 1's step was applied: the parameters and the optimizer state
-    go back to those from before the batch, and the error names the pass."""
-    args, agent, optimizer, batch = setup(script, update_epochs=3, num_minibatches=1)
-    script.learn(agent, optimizer, batch, args, global_step=0)  # an optimizer state to restore
+def test_a_non_finite_loss_applies_nothing_of_the_batch(script, monkeypatch):
+    """An infinite loss: no step, the parameters and the optimizer state stay those from before the batch (an earlier
+    batch's, here), and the error names what was not finite."""
+    args, agent, optimizer, batch = setup(script)
+    script.learn(agent, optimizer, batch, args, global_step=0)  # an optimizer state to keep
     before = state(agent, optimizer)
-    calls = counting_loss(script, monkeypatch, bad_call=2)
-    with pytest.raises(FloatingPointError, match=r"^not finite \(loss\) on pass 2$"):
+    counting_loss(script, monkeypatch, bad_call=1)
+    with pytest.raises(FloatingPointError, match=r"^not finite \(loss\)$"):
         script.learn(agent, optimizer, batch, args, global_step=0)
-    assert len(calls) == 2
     assert_same_state(before, state(agent, optimizer))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
-def test_any_error_halfway_through_a_batch_applies_nothing_of_it(script, monkeypatch):
-    """Another error than a non-finite one (out of memory, a lost peer in an all-reduce) on pass 2 of 2, after pass
-    1's step: the batch is undone as well, so the checkpoint the run saves as it stops holds no half of it."""
-    args, agent, optimizer, batch = setup(script, update_epochs=2, num_minibatches=1)
+def test_any_error_after_the_step_applies_nothing_of_the_batch(script, monkeypatch):
+    """Another error than a non-finite one (out of memory, a lost peer in an all-reduce) after the optimizer's step:
+    the batch is undone as well, so the checkpoint the run saves as it stops holds no half of it."""
+    args, agent, optimizer, batch = setup(script)
     script.learn(agent, optimizer, batch, args, global_step=0)
     before = state(agent, optimizer)
-    compute_loss, calls = script.compute_loss, []
+    steps = []
 
-    def failing(agent, batch, args):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("out of memory")
-        return compute_loss(agent, batch, args)
+    def failing(agent, batch):
+        steps.append(optimizer.state[next(agent.parameters())]["step"].item())
+        raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(script, "compute_loss", failing)
+    monkeypatch.setattr(script, "outputs_finite", failing)
     with pytest.raises(RuntimeError, match="^out of memory$"):
         script.learn(agent, optimizer, batch, args, global_step=0)
-    assert len(calls) == 2
+    assert steps == [2]  # the step was taken before the error
     assert_same_state(before, state(agent, optimizer))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
-@pytest.mark.parametrize("update_epochs", [1, 2])
-def test_a_step_that_blows_the_weights_up_is_undone(script, update_epochs):
+def test_a_step_that_blows_the_weights_up_is_undone(script):
     """A finite gradient times a learning rate of 1e30 gives finite weights whose outputs overflow: not applied."""
-    args, agent, optimizer, batch = setup(script, learning_rate=1e30, anneal_lr=False, update_epochs=update_epochs)
+    args, agent, optimizer, batch = setup(script, learning_rate=1e30, anneal_lr=False)
     before = state(agent, optimizer)
-    where = " on pass 1" if update_epochs > 1 else ""
     with pytest.raises(FloatingPointError) as error:
         script.learn(agent, optimizer, batch, args, global_step=0)
-    assert str(error.value) == f"not finite after its step{where} (the network's outputs: the step blew the weights up)"
+    assert str(error.value) == "not finite after its step (the network's outputs: the step blew the weights up)"
     assert_same_state(before, state(agent, optimizer))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
 def test_stats_may_be_floats_ints_or_0d_tensors(script, monkeypatch):
     extra = lambda call: {"stats/float": 0.5 * call, "stats/int": call, "stats/bool": torch.tensor(call == 1)}  # noqa: E731
-    args, agent, optimizer, batch = setup(script, update_epochs=2)
+    args, agent, optimizer, batch = setup(script)
     counting_loss(script, monkeypatch, extra=extra)
     stats = script.learn(agent, optimizer, batch, args, global_step=0)
-    assert (stats["stats/float"], stats["stats/int"], stats["stats/bool"]) == (0.75, 1.5, 0.5)
+    assert (stats["stats/float"], stats["stats/int"], stats["stats/bool"]) == (0.5, 1.0, 1.0)
     assert all(type(value) is float for value in stats.values())
 
 
@@ -195,18 +167,11 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (dict(update_epochs=0), "error: --update-epochs must be positive, got 0"),
-        (dict(num_minibatches=-1), "error: --num-minibatches must be positive, got -1"),
         (dict(anneal_lr_timesteps=0), "error: --anneal-lr-timesteps must be positive, got 0"),
         (
             dict(total_timesteps=2000, anneal_lr_timesteps=1000),
             "error: --total-timesteps 2000 runs past --anneal-lr-timesteps 1000, after which the learning rate is 0: "
             "raise --anneal-lr-timesteps, or pass --no-anneal-lr",
-        ),
-        (
-            dict(batch_size=8, num_minibatches=3),
-            "error: --num-minibatches 3 does not divide --batch-size 8: each minibatch is an equal share of the batch's "
-            "rollouts",
         ),
         (dict(clip_coef=0.0), "error: --clip-coef must be positive, got 0.0"),
         (
@@ -238,11 +203,8 @@ def test_a_stat_of_another_shape_is_one_error_before_any_step(script, monkeypatc
         ),
     ],
     ids=[
-        "epochs",
-        "minibatches",
         "horizon",
         "past-horizon",
-        "divide",
         "clip-coef",
         "clip-coef-1",
         "two-policy-clips",
@@ -286,18 +248,16 @@ def test_the_first_step_of_the_optimizer(script):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
-@pytest.mark.parametrize("update_epochs", [1, 2])
-def test_resuming_with_a_blowing_up_learning_rate_keeps_the_checkpoint(tmp_path, script, update_epochs):
+def test_resuming_with_a_blowing_up_learning_rate_keeps_the_checkpoint(tmp_path, script):
     """Resuming a good checkpoint under --learning-rate 1e30: the first update's step is finite but its weights overflow
     the network's outputs. One error line naming it, no traceback, exit 1, and checkpoint.pt keeps the good weights."""
     run_dir = train(script, "CartPole-v1", 80, FLAGS[script], tmp_path)
     path = os.path.join(run_dir, "checkpoint.pt")
     good = torch.load(path, weights_only=True)
-    flags = [*FLAGS[script], "--learning-rate", 1e30, "--update-epochs", update_epochs, "--resume", path]
+    flags = [*FLAGS[script], "--learning-rate", 1e30, "--resume", path]
     result = run(script, "--env-id", "CartPole-v1", "--total-timesteps", 160, *flags, cwd=tmp_path)
-    where = " on pass 1" if update_epochs > 1 else ""
     assert error_line(result) == (
-        f"error: update 3 at global_step=80 is not finite after its step{where} (the network's outputs: the step blew "
+        "error: update 3 at global_step=80 is not finite after its step (the network's outputs: the step blew "
         "the weights up): not applied, the checkpoint keeps the parameters before it; lower --learning-rate or check the "
         "rewards; stopping the run"
     )
@@ -325,32 +285,6 @@ def test_a_stat_added_to_compute_loss_is_logged_or_named(tmp_path, script):
         "error: compute_loss's stat 'stats/my_vector' is Tensor (4,): a stat must be a float, an int or a 0-d tensor "
         "(reduce it, e.g. with .mean()); update 1 not applied; stopping the run"
     )
-
-
-@pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
-def test_surrogate_clipping_is_counted_per_pass(script):
-    """With --clip-coef, `stats/surrogate_clipped` is the share of steps whose ratio to the acting policy left 1 +- the
-    clip, per pass too: none on the first pass's first step (behaviour logits are the agent's own here), more on later
-    passes as the policy moves away from the one that acted."""
-    args, agent, optimizer, batch = setup(script, update_epochs=3, clip_coef=1e-3, learning_rate=1e-2)
-    with torch.no_grad():
-        batch["logits"] = agent(batch["obs"], torch.zeros(batch["obs"].shape[:2], dtype=torch.bool), ())["logits"]
-    stats = script.learn(agent, optimizer, batch, args, global_step=0)
-    assert stats["stats/surrogate_clipped_pass1"] == 0.0
-    assert 0.0 < stats["stats/surrogate_clipped_pass2"] <= stats["stats/surrogate_clipped_pass3"] <= 1.0
-    assert stats["stats/surrogate_clipped"] == pytest.approx(
-        sum(stats[f"stats/surrogate_clipped_pass{k}"] for k in (1, 2, 3)) / 3
-    )
-
-
-@pytest.mark.learning
-def test_clipped_surrogate_with_two_passes_learns_cartpole(tmp_path):
-    """APPO's loss (`--clip-coef 0.2`, two passes per batch) keeps the defaults' promise on CartPole-v1: the mean of 20
-    consecutive full-game returns reaches 400 within 300k steps. Poly seeds 1 and 2 reached it after 118k and 102k
-    steps (the defaults: 148k-178k); mono, whose loss is the same text, after 79k and 74k."""
-    flags = ["--seed", 1, "--clip-coef", 0.2, "--update-epochs", 2]
-    reached, last = steps_to_return("impala_poly.py", "CartPole-v1", 300_000, flags, tmp_path, threshold=400)
-    assert reached is not None and reached <= 300_000, (reached, last)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=IDS)

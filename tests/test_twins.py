@@ -11,7 +11,7 @@ from helpers import ROOT
 
 # Written twice on purpose: the same text in both scripts.
 TWINS = ["layer_init", "ResidualBlock", "ConvSequence", "mlp", "Agent", "make_agent", "compute_loss", "make_optimizer",
-         "Replay", "unroll", "split_batch", "StatError", "scalar_stats", "mean_stats", "outputs_finite", "all_or_nothing",
+         "Replay", "unroll", "StatError", "scalar_stats", "outputs_finite", "all_or_nothing",
          "GameRecorder", "load_checkpoint", "check_resumable", "RUN_ONLY_FLAGS", "StopSignals", "Progress",
          "save_checkpoint", "RECORDED_OUTPUTS", "act", "check_batch_reads"]  # fmt: skip
 # Defined in both scripts but different, each for its own reasons (mono's ale-py envs and actor processes, poly's EnvPool
