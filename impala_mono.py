@@ -388,8 +388,8 @@ def learn(agent, optimizer, batch, args, global_step):
         finite = outputs_finite(agent, batch).float()
         if not finite:
             raise FloatingPointError("not finite after its step (the network's outputs: the step blew the weights up)")
-    stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": (grad_norm > args.max_grad_norm).float()})
-    stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # floats, with one device sync
+        stats.update({"losses/grad_norm": grad_norm, "stats/grad_clipped": (grad_norm > args.max_grad_norm).float()})
+        stats = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # floats, with one device sync
     stats["charts/learning_rate"] = learning_rate
     return stats
 
@@ -467,8 +467,8 @@ def outputs_finite(agent, batch):
 
 @contextlib.contextmanager
 def all_or_nothing(agent, optimizer):
-    """An update applied whole or not at all: if the block raises (FloatingPointError, StatError or any other error
-    halfway through its optimizer steps), the parameters and the optimizer state go back to what they were before it."""
+    """An update applied whole or not at all: if the block raises (FloatingPointError, StatError or any other error,
+    before or after the optimizer's step), the parameters and the optimizer state go back to what they were before it."""
     before = copy.deepcopy(agent.state_dict()), copy.deepcopy(optimizer.state_dict())
     try:
         yield

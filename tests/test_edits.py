@@ -123,9 +123,9 @@ def test_a_key_the_actors_do_not_record_is_one_error_before_anything_starts(tmp_
 
 @pytest.mark.parametrize("script", ["impala_mono.py", "impala_poly.py"])
 def test_a_key_learn_adds_to_the_batch_may_be_read_by_compute_loss(tmp_path, script):
-    """learn adds a key to the batch before the passes (the policy before the batch, say) and compute_loss reads it:
+    """learn adds a key to the batch before the loss (the policy before the batch, say) and compute_loss reads it:
     not a key the actors must record, wherever in the three functions it is added."""
-    old = ["    steps = []  # each optimizer step's stats\n", READS_VALUES[0]]
+    old = ["    with all_or_nothing(agent, optimizer):\n", READS_VALUES[0]]
     new = [
         '    with torch.no_grad():\n        batch = {**batch, "before": unroll(agent, batch)["values"]}\n' + old[0],
         '        "stats/value": values[:-1].mean(),\n        "stats/before": batch["before"][:-1].mean(),\n',
