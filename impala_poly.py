@@ -71,7 +71,7 @@ class Args:
     """an Atari id as in EnvPool (`Pong-v5`, `Breakout-v5`, ...) or a gymnasium classic-control id (`CartPole-v1`):
     EnvPool's envs only (impala_mono.py runs any gymnasium env)"""
     total_timesteps: int = 50_000_000
-    """total environment steps over all actors (an Atari step is 4 frames)"""
+    """total environment steps over all envs and ranks (an Atari step is 4 frames)"""
 
     # Algorithm specific arguments
     num_envs: int = 64
