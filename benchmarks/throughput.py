@@ -11,14 +11,22 @@ impala_poly.py with their default flags (poly with --num-envs) and --no-bf16 / -
 that precision's ceiling, and the bf16 / float32 speed-up. Scripts are timed from their own progress lines after a
 warm-up, so start-up does not count. Which row is lowest says what limits a box: the envs, the acting loop, or the
 learner.
+
+    python benchmarks/throughput.py --env-ids BattleZone-v5 --scripts impala_poly.py --precisions bf16 \
+        -- --replay-proportion 3 --clip-coef 0.1 --learning-rate 7.5e-4
+
+Flags after `--` add a row per script run with them (the APPO configuration above), measured beside its default
+flags, and a line with their ratio: the one figure that compares a configuration's cost across machines.
 """
 
 import argparse
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import envpool
@@ -174,16 +182,20 @@ def network_sps(env_id, seconds, env_batch_size, num_threads, bf16):
 
 
 def script_sps(script, env_id, seconds, warmup, extra=()):
-    """Runs a training script and returns its steps/s between the end of the warm-up and `seconds` later."""
+    """Runs a training script and returns its steps/s between the end of the warm-up and `seconds` later; exits with
+    the script's own error where it stops before that (a flag it refuses, say)."""
+    extra = list(extra)
+    stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty script cannot fill it and stall
     process = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, script), "--env-id", env_id, *extra],
         cwd=os.environ.get("TMPDIR", "/tmp"),
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
         text=True,
     )
     points = []  # (time, global_step)
     start = time.time()
+    exited = None  # still training when the measurement ended
     try:
         for line in process.stdout:
             match = re.match(r"global_step=(\d+) ", line)
@@ -191,15 +203,24 @@ def script_sps(script, env_id, seconds, warmup, extra=()):
                 points.append((time.time(), int(match.group(1))))
                 if points[-1][0] - points[0][0] >= seconds:
                     break
+        else:  # its output ended: it stopped on its own
+            exited = process.wait()
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait()
+    if exited:
+        stderr.seek(0)
+        last = ([line for line in stderr.read().splitlines() if line.strip()] or ["no output on stderr"])[-1]
+        sys.exit(f"error: {script} {shlex.join(extra)} exited with {exited} before it was timed: {last}")
     if len(points) < 2:
         return float("nan")
     return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
 
 
 if __name__ == "__main__":
+    argv = sys.argv[1:]
+    flags = argv[argv.index("--") + 1 :] if "--" in argv else []  # passed verbatim to each script, as atari.py does
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env-ids", nargs="+", default=["Breakout-v5", "Pong-v5", "CartPole-v1"])
     parser.add_argument("--seconds", type=float, default=60.0, help="measuring time of each entry")
@@ -207,7 +228,7 @@ if __name__ == "__main__":
     parser.add_argument("--num-envs", type=int, default=32, help="EnvPool pool size (raw and poly)")
     parser.add_argument("--scripts", nargs="+", default=["impala_mono.py", "impala_poly.py"])
     parser.add_argument("--precisions", nargs="+", default=["float32", "bf16"], choices=["float32", "bf16"])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import torch
 
     gpu = torch.cuda.is_available()  # the network runs on the GPU, EnvPool on the cores: side by side, not sharing
@@ -230,6 +251,9 @@ if __name__ == "__main__":
                     extra.append("--bf16" if precision == "bf16" else "--no-bf16")
                     sps = script_sps(script, env_id, args.seconds, args.warmup, map(str, extra))
                     rows.setdefault(f"{script}, default flags", {})[precision] = sps
+                    if flags:
+                        sps = script_sps(script, env_id, args.seconds, args.warmup, [*map(str, extra), *flags])
+                        rows.setdefault(f"{script}, the flags after --", {})[precision] = sps
         print(
             f"\n{env_id} ({os.cpu_count()} cores): gymnasium + ale-py, 1 env, random actions: {gym_sps:.0f} steps/s; "
             f"EnvPool async, {args.num_envs} envs, random actions: {envpool_sps:.0f} steps/s; poly's actor loop on "
@@ -244,3 +268,8 @@ if __name__ == "__main__":
             cells = "".join(f" {f'{by_precision[p]:.0f} ({by_precision[p] / ceiling[p]:.2f})':>20} |" for p in args.precisions)
             speedup = f" {by_precision['bf16'] / by_precision['float32']:>14.2f} |" if ratio else ""
             print(f"| {name:<45} |{cells}{speedup}", flush=True)
+        for script in args.scripts:
+            if f"{script}, the flags after --" in rows:
+                with_flags, default = rows[f"{script}, the flags after --"], rows[f"{script}, default flags"]
+                ratios = ", ".join(f"{with_flags[p] / default[p]:.2f} ({p})" for p in args.precisions)
+                print(f"{script} with {shlex.join(flags)}: {ratios} of its default flags' steps/s", flush=True)

@@ -11,12 +11,16 @@ import pytest
 
 from helpers import ROOT
 
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import throughput  # noqa: E402
+
 
 @pytest.mark.slow
 def test_throughput_prints_a_figure_for_every_entry(tmp_path):
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "throughput.py"), "--env-ids", "CartPole-v1"]
     flags = ["--seconds", "2", "--warmup", "2", "--num-envs", "8", "--scripts", "impala_poly.py", "--precisions", "float32"]
-    result = subprocess.run([*command, *flags], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    after = ["--", "--replay-proportion", "1"]  # a configuration, timed beside the defaults
+    result = subprocess.run([*command, *flags, *after], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("CartPole-v1 (")]
     figures = [float(x) for x in re.findall(r": (\d+) steps/s", line)]
@@ -29,5 +33,23 @@ def test_throughput_prints_a_figure_for_every_entry(tmp_path):
         "bare compute: inference + learner, no env",
         "ceiling: 1 / (1 / EnvPool + 1 / compute)",
         "impala_poly.py, default flags",
+        "impala_poly.py, the flags after --",
     ], result.stdout
     assert all(math.isfinite(value) and value > 0 for value in figures.values()), result.stdout
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("impala_poly.py with")]
+    match = re.fullmatch(
+        r"impala_poly.py with --replay-proportion 1: (\d+\.\d\d) \(float32\) of its default flags' steps/s", line
+    )
+    assert match, line
+    ratio = figures["impala_poly.py, the flags after --"] / figures["impala_poly.py, default flags"]
+    assert float(match.group(1)) == pytest.approx(ratio, abs=0.01), line  # the table's figures are rounded
+
+
+def test_a_script_that_refuses_its_flags_ends_the_measurement_with_its_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    with pytest.raises(SystemExit) as stopped:
+        throughput.script_sps("impala_poly.py", "CartPole-v1", 2, 0, ["--replay-proportion", "-1"])
+    assert str(stopped.value) == (
+        "error: impala_poly.py --replay-proportion -1 exited with 1 before it was timed: "
+        "error: --replay-proportion must be 0 (no replay) or more, got -1"
+    )
