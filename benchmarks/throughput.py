@@ -185,33 +185,33 @@ def script_sps(script, env_id, seconds, warmup, extra=()):
     """Runs a training script and returns its steps/s between the end of the warm-up and `seconds` later; exits with
     the script's own error where it stops before that (a flag it refuses, say)."""
     extra = list(extra)
-    stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty script cannot fill it and stall
-    process = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, script), "--env-id", env_id, *extra],
-        cwd=os.environ.get("TMPDIR", "/tmp"),
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-    )
-    points = []  # (time, global_step)
-    start = time.time()
-    exited = None  # still training when the measurement ended
-    try:
-        for line in process.stdout:
-            match = re.match(r"global_step=(\d+) ", line)
-            if match and time.time() - start >= warmup:
-                points.append((time.time(), int(match.group(1))))
-                if points[-1][0] - points[0][0] >= seconds:
-                    break
-        else:  # its output ended: it stopped on its own
-            exited = process.wait()
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait()
-    if exited:
-        stderr.seek(0)
-        last = ([line for line in stderr.read().splitlines() if line.strip()] or ["no output on stderr"])[-1]
-        sys.exit(f"error: {script} {shlex.join(extra)} exited with {exited} before it was timed: {last}")
+    with tempfile.TemporaryFile(mode="w+") as stderr:  # a file, not a pipe: a chatty script cannot fill it and stall
+        process = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, script), "--env-id", env_id, *extra],
+            cwd=os.environ.get("TMPDIR", "/tmp"),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        points = []  # (time, global_step)
+        start = time.time()
+        exited = None  # still training when the measurement ended
+        try:
+            for line in process.stdout:
+                match = re.match(r"global_step=(\d+) ", line)
+                if match and time.time() - start >= warmup:
+                    points.append((time.time(), int(match.group(1))))
+                    if points[-1][0] - points[0][0] >= seconds:
+                        break
+            else:  # its output ended: it stopped on its own
+                exited = process.wait()
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait()
+        if exited:
+            stderr.seek(0)
+            last = ([line for line in stderr.read().splitlines() if line.strip()] or ["no output on stderr"])[-1]
+            sys.exit(f"error: {script} {shlex.join(extra)} exited with {exited} before it was timed: {last}")
     if len(points) < 2:
         return float("nan")
     return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
